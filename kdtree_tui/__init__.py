@@ -1,0 +1,1 @@
+"""The Textual trace debugger and the `kdtree` command line."""

@@ -1,0 +1,1 @@
+"""Every CUDA kernel of kdtree with its launcher; nothing else lives here."""
