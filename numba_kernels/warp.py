@@ -15,6 +15,7 @@ Contract for all helpers:
 max and argmax are exact whatever the reduction order; a float sum is not: the GPU (shuffle) and the
 simulator (tree) orders round differently, so compare sums with a tolerance.
 """
+import numpy as np
 from numba import cuda
 from numba.cuda import config
 
@@ -163,3 +164,10 @@ def block_argmax(value, index, scratch, scratch_ids):
     best_index = scratch_ids[0]
     cuda.syncthreads()  # everyone read slot 0 before the caller reuses scratch
     return best_value, best_index
+
+
+def to_device(array):
+    """Launcher helper: a device array as is; anything else (numpy, lists) copied to the device."""
+    if hasattr(array, "__cuda_array_interface__") or hasattr(array, "copy_to_host"):
+        return array
+    return cuda.to_device(np.ascontiguousarray(array))
