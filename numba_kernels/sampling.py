@@ -1,0 +1,172 @@
+"""Token choice over the vocabulary, one block per row: argmax, top-k with margin, Gumbel-max sampling.
+
+Bit-exact to engine.sampling_ref (ties -> lowest id; the same splitmix64 noise keyed by seed and absolute
+position; float64 log may differ from numpy's by an ulp, which matters only at exact float64 ties).
+Dimension letters: s rows (query tokens / tree nodes), V vocabulary.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, float64, int32, uint64
+
+from numba_kernels.warp import INT32_MAX, ON_SIMULATOR, block_argmax, to_device
+
+ROW_THREADS = 8 if ON_SIMULATOR else 256
+MAX_TOPK = 16
+GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+MIX_MUL_1 = np.uint64(0xBF58476D1CE4E5B9)
+MIX_MUL_2 = np.uint64(0x94D049BB133111EB)
+SHIFT_30 = np.uint64(30)
+SHIFT_27 = np.uint64(27)
+SHIFT_31 = np.uint64(31)
+SHIFT_11 = np.uint64(11)
+ONE = np.uint64(1)
+TWO_POW_MINUS_53 = 2.0 ** -53
+
+
+@cuda.jit(device=True)
+def mix64(z):
+    """splitmix64 finaliser on uint64 (wrapping multiply), as engine.sampling_ref.mix64."""
+    z = (z ^ (z >> SHIFT_30)) * MIX_MUL_1
+    z = (z ^ (z >> SHIFT_27)) * MIX_MUL_2
+    return z ^ (z >> SHIFT_31)
+
+
+@cuda.jit(device=True)
+def gumbel(key, token):
+    """float64 Gumbel noise of one token given its row key (engine.sampling_ref.uniform / gumbel_noise)."""
+    bits = mix64(key + (uint64(token) + ONE) * GOLDEN_GAMMA)
+    u = (float64(bits >> SHIFT_11) + 0.5) * TWO_POW_MINUS_53
+    return -math.log(-math.log(u))
+
+
+@cuda.jit
+def argmax_rows_kernel(logits, ids):
+    """logits float32 [s, V] -> ids int32 [s]: argmax per row, ties -> lowest id."""
+    row = cuda.blockIdx.x
+    scratch = cuda.shared.array(ROW_THREADS, float32)
+    scratch_ids = cuda.shared.array(ROW_THREADS, int32)
+    best = float32(-math.inf)
+    best_id = INT32_MAX
+    for v in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
+        value = logits[row, v]
+        if value > best or best_id == INT32_MAX:  # strict: this thread's ids increase, keep the first
+            best = value
+            best_id = v
+    best, best_id = block_argmax(best, int32(best_id), scratch, scratch_ids)
+    if cuda.threadIdx.x == 0:
+        ids[row] = best_id
+
+
+@cuda.jit
+def sample_rows_kernel(logits, temperature, seed, positions, ids):
+    """logits float32 [s, V], positions int [s] -> ids int32 [s]: argmax(logits / T + gumbel(seed, position)),
+    in float64, ties -> lowest id."""
+    row = cuda.blockIdx.x
+    scratch = cuda.shared.array(ROW_THREADS, float64)
+    scratch_ids = cuda.shared.array(ROW_THREADS, int32)
+    key = mix64(mix64(uint64(seed)) + uint64(positions[row]) * GOLDEN_GAMMA)
+    best = -math.inf
+    best_id = INT32_MAX
+    for v in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
+        value = float64(logits[row, v]) / temperature + gumbel(key, v)
+        if value > best or best_id == INT32_MAX:
+            best = value
+            best_id = v
+    best, best_id = block_argmax(best, int32(best_id), scratch, scratch_ids)
+    if cuda.threadIdx.x == 0:
+        ids[row] = best_id
+
+
+@cuda.jit
+def topk_rows_kernel(logits, top_ids, top_values, margins):
+    """logits float32 [s, V] -> top_ids int32 [s, k], top_values float32 [s, k] (ties -> lower id),
+    margins float32 [s] = top1 - top2 (+inf when V == 1). k <= MAX_TOPK.
+
+    Each thread keeps a sorted top-k list of its strided slice; then k rounds of block argmax over the
+    threads' list heads, the winner advancing its head."""
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    scratch = cuda.shared.array(ROW_THREADS, float32)
+    scratch_ids = cuda.shared.array(ROW_THREADS, int32)
+    k = top_ids.shape[1]
+    rounds = max(k, 2)
+    mine = cuda.local.array(MAX_TOPK, float32)
+    mine_ids = cuda.local.array(MAX_TOPK, int32)
+    held = 0
+    for v in range(tid, logits.shape[1], cuda.blockDim.x):
+        value = logits[row, v]
+        if held == rounds and not value > mine[rounds - 1]:
+            continue  # not better than the worst kept (equal loses: its id is higher)
+        slot = held if held < rounds else rounds - 1
+        while slot > 0 and value > mine[slot - 1]:  # insertion: strictly better moves up
+            mine[slot] = mine[slot - 1]
+            mine_ids[slot] = mine_ids[slot - 1]
+            slot -= 1
+        mine[slot] = value
+        mine_ids[slot] = v
+        if held < rounds:
+            held += 1
+    head = 0
+    first = float32(0.0)
+    for r in range(rounds):
+        value = mine[head] if head < held else float32(-math.inf)
+        index = mine_ids[head] if head < held else INT32_MAX
+        best, best_id = block_argmax(value, int32(index), scratch, scratch_ids)
+        if head < held and mine_ids[head] == best_id:
+            head += 1
+        if tid == 0:
+            if r < k:
+                top_ids[row, r] = best_id
+                top_values[row, r] = best
+            if r == 0:
+                first = best
+            elif r == 1:
+                margins[row] = first - best if best_id != INT32_MAX else float32(math.inf)
+
+
+def _check_logits(logits):
+    if len(logits.shape) != 2 or logits.dtype != np.float32 or logits.shape[0] == 0 or logits.shape[1] == 0:
+        raise ValueError(f"logits must be float32 [s, V] with s, V > 0, got {logits.dtype} {logits.shape}")
+    if logits.shape[1] >= INT32_MAX:
+        raise ValueError(f"vocabulary {logits.shape[1]} too large for int32 ids")
+
+
+def argmax_rows(logits):
+    """Device int32 [s]: greedy token per row of float32 logits [s, V] (numpy or device)."""
+    _check_logits(logits)
+    ids = cuda.device_array(logits.shape[0], np.int32)
+    argmax_rows_kernel[logits.shape[0], ROW_THREADS](to_device(logits), ids)
+    return ids
+
+
+def sample_rows(logits, temperature: float, seed: int, positions):
+    """Device int32 [s]: Gumbel-max sample per row at absolute positions [s]; argmax when temperature == 0."""
+    _check_logits(logits)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if tuple(positions.shape) != (logits.shape[0],):
+        raise ValueError(f"positions {positions.shape} must be [s={logits.shape[0]}]")
+    if not 0 <= seed < 2 ** 64:
+        raise ValueError(f"seed must be in 0..2**64-1, got {seed}")
+    if temperature == 0:
+        return argmax_rows(logits)
+    ids = cuda.device_array(logits.shape[0], np.int32)
+    sample_rows_kernel[logits.shape[0], ROW_THREADS](to_device(logits), float(temperature), np.uint64(seed),
+                                                     to_device(positions), ids)
+    return ids
+
+
+def topk_rows(logits, k: int):
+    """(ids int32 [s, k], values float32 [s, k], margins float32 [s]) device arrays, ties -> lower id."""
+    _check_logits(logits)
+    if not 1 <= k <= min(MAX_TOPK, logits.shape[1]):
+        raise ValueError(f"k must be in 1..min({MAX_TOPK}, V={logits.shape[1]}), got {k}")
+    rows = logits.shape[0]
+    top_ids = cuda.device_array((rows, k), np.int32)
+    top_values = cuda.device_array((rows, k), np.float32)
+    margins = cuda.device_array(rows, np.float32)
+    topk_rows_kernel[rows, ROW_THREADS](to_device(logits), top_ids, top_values, margins)
+    return top_ids, top_values, margins
