@@ -69,9 +69,10 @@ def _check_int(name: str, value, low: int) -> int:
     return int(value)
 
 
-def check_generate_args(cfg, prompt_ids, max_new_tokens, mode, drafter, block_size, budget, topk, temperature,
-                        seed, max_cache_rows: Optional[int] = None) -> tuple[np.ndarray, int]:
-    """Validate before any model work; return (prompt int64 [P0], topk). Raises ValueError with one line."""
+def check_generate_args(cfg, prompt_ids, max_new_tokens, mode, block_size, budget, topk, temperature, seed,
+                        max_cache_rows: Optional[int] = None) -> tuple[np.ndarray, int]:
+    """Validate everything but the drafter before any model work; return (prompt int64 [P0], topk).
+    Raises ValueError with a one-line message."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     _check_int("max_new_tokens", max_new_tokens, 1)
@@ -99,13 +100,16 @@ def check_generate_args(cfg, prompt_ids, max_new_tokens, mode, drafter, block_si
     if max_cache_rows is not None and total > max_cache_rows:
         raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
                          f"model's cache capacity of {max_cache_rows} rows")
-    if mode == "ddtree":
-        if drafter is None or not callable(getattr(drafter, "draft", None)):
-            raise ValueError("mode 'ddtree' needs a drafter (an object with draft(committed, bonus, position))")
-        if drafter.num_depths != block_size - 1 or drafter.top_k != topk:
-            raise ValueError(f"drafter drafts L={drafter.num_depths} depths x K={drafter.top_k}, but block_size "
-                             f"{block_size} and topk {topk} need L={block_size - 1} x K={topk}")
     return prompt.astype(np.int64), topk
+
+
+def check_drafter(drafter, block_size: int, topk: int) -> None:
+    """Raise ValueError unless ``drafter`` drafts L = block_size - 1 depths of K = topk candidates."""
+    if drafter is None or not callable(getattr(drafter, "draft", None)):
+        raise ValueError("mode 'ddtree' needs a drafter (an object with draft(committed, bonus, position))")
+    if drafter.num_depths != block_size - 1 or drafter.top_k != topk:
+        raise ValueError(f"drafter drafts L={drafter.num_depths} depths x K={drafter.top_k}, but block_size "
+                         f"{block_size} and topk {topk} need L={block_size - 1} x K={topk}")
 
 
 def generate(model, prompt_ids, max_new_tokens: int, mode: str = "ar", drafter=None, block_size: int = 8,
@@ -123,8 +127,10 @@ def generate(model, prompt_ids, max_new_tokens: int, mode: str = "ar", drafter=N
         tree_ops: choose_tokens / build_tree / accept implementation (default ReferenceTreeOps).
     """
     cfg = model.cfg
-    prompt, topk = check_generate_args(cfg, prompt_ids, max_new_tokens, mode, drafter, block_size, budget, topk,
+    prompt, topk = check_generate_args(cfg, prompt_ids, max_new_tokens, mode, block_size, budget, topk,
                                        temperature, seed, getattr(model, "max_cache_rows", None))
+    if mode == "ddtree":
+        check_drafter(drafter, block_size, topk)
     ops = tree_ops or ReferenceTreeOps()
     prompt_len = len(prompt)
     # Rows for the committed tokens plus one tree; never more than positions exist (the reference refuses).

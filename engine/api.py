@@ -1,0 +1,108 @@
+"""The engine's Python API: ``load(model, backend, seed) -> Engine``; ``Engine.generate`` and ``Engine.golden``.
+
+    engine = load("tiny", backend="reference")
+    result = engine.generate("hello", 24, mode="ddtree", drafter="noisy:0.6", on_step=writer.write_step)
+
+Backends (DESIGN.md section 5): "reference" runs the float64 golden model itself as the engine; "sim" and
+"cuda" run the Numba device model (not landed yet: they raise BackendUnavailable); "auto" takes the best
+available one.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import numpy as np
+
+from . import tokenizer
+from .checkpoint import load_model
+from .config import ModelConfig
+from .decode import GenerateResult, check_generate_args, generate
+from .drafters import parse_drafter
+from .reference import GoldenRun, ReferenceModel, decode
+
+BACKENDS = ("reference", "sim", "cuda", "auto")
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend asked for cannot run here; the message says why and what to use instead."""
+
+
+def _device_model(backend: str, cfg: ModelConfig, weights: dict):
+    # The seam for the Numba device model (backends sim / cuda): it lands later from the lead.
+    raise BackendUnavailable(f"backend {backend!r} is not available yet: the Numba device model has not landed "
+                             "(use backend='reference')")
+
+
+class Engine:
+    """A loaded model ready to decode. ``cfg`` the ModelConfig, ``backend`` the one in use, ``model`` the
+    object with the model protocol, ``reference`` the float64 golden over the same weights."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, backend: str, model, seed: int, source: str):
+        self.cfg, self.weights, self.backend, self.model, self.seed, self.source = cfg, weights, backend, model, seed, source
+        self._reference = model if isinstance(model, ReferenceModel) else None
+
+    @property
+    def reference(self) -> ReferenceModel:
+        if self._reference is None:
+            self._reference = ReferenceModel(self.cfg, self.weights)
+        return self._reference
+
+    def encode_prompt(self, prompt: Union[str, np.ndarray, list]) -> np.ndarray:
+        """Text (byte-level tokenizer) or token ids -> int64 [P0]. Ids are checked by generate()."""
+        return np.asarray(tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+
+    def golden(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: Optional[int] = None) -> GoldenRun:
+        """The float64 golden AR run of ``max_new_tokens`` after ``prompt`` (engine.reference.decode)."""
+        seed = self.seed if seed is None else seed
+        return decode(self.reference, self.encode_prompt(prompt), max_new_tokens, temperature, seed)
+
+    def generate(self, prompt, max_new_tokens: int, mode: str = "ar", drafter=None, block_size: int = 8,
+                 budget: int = 7, topk: Optional[int] = None, temperature: float = 0.0, seed: Optional[int] = None,
+                 golden: Union[None, bool, GoldenRun] = None, on_step: Optional[Callable[[dict], None]] = None,
+                 ) -> GenerateResult:
+        """Decode with engine.decode.generate (arguments as there).
+
+        drafter: a Drafter object, or "oracle" / "noisy:P", built over the golden run at the same temperature
+        and seed (computed here, max_new_tokens + block_size tokens so the last step's overshoot is covered).
+        golden: a GoldenRun, True (compute it), False (never), None (use it when the drafter needed one).
+        The result's ``meta`` gains backend, model, drafter and the golden run (key "golden").
+        """
+        seed = self.seed if seed is None else seed
+        ids = self.encode_prompt(prompt)
+        spec = parse_drafter(drafter) if isinstance(drafter, str) else None
+        if spec is not None and mode != "ddtree":
+            raise ValueError(f"drafter {drafter!r} is only used in mode 'ddtree', got mode {mode!r}")
+        run = golden if isinstance(golden, GoldenRun) else None
+        if run is None and (golden is True or spec is not None):
+            # Validate first, so a bad argument never waits for a golden run.
+            check_generate_args(self.cfg, ids, max_new_tokens, mode, block_size, budget, topk, temperature, seed)
+            reach = max_new_tokens + (block_size if mode == "ddtree" else 0)
+            run = self.golden(ids, min(reach, self.cfg.max_position_embeddings - len(ids)), temperature, seed)
+        golden = None if golden is False else run
+        if spec is not None:
+            k = min(budget, self.cfg.vocab_size) if topk is None else topk
+            drafter = spec.build(np.concatenate([np.asarray(ids, dtype=np.int64), run.tokens]), block_size - 1, k,
+                                 self.cfg.vocab_size, seed)
+        result = generate(self.model, ids, max_new_tokens, mode=mode, drafter=drafter, block_size=block_size,
+                          budget=budget, topk=topk, temperature=temperature, seed=seed, golden=golden,
+                          on_step=on_step)
+        result.meta.update(backend=self.backend, model=self.source, drafter=str(spec) if spec else
+                           (None if drafter is None else type(drafter).__name__), golden=golden)
+        return result
+
+
+def load(model: Union[str, Path] = "tiny", backend: str = "reference", seed: int = 0) -> Engine:
+    """A preset name (seeded random weights) or an HF checkpoint directory -> Engine on ``backend``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    cfg, weights = load_model(model, seed)
+    if backend == "auto":
+        try:
+            return Engine(cfg, weights, "cuda", _device_model("cuda", cfg, weights), seed, str(model))
+        except BackendUnavailable:
+            backend = "reference"
+    device_model = ReferenceModel(cfg, weights) if backend == "reference" else _device_model(backend, cfg, weights)
+    return Engine(cfg, weights, backend, device_model, seed, str(model))
