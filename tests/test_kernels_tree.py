@@ -1,0 +1,293 @@
+"""Tree build / accept / compaction / sampling kernels against the references, bit-exact (toy sizes, simulator).
+
+Every output is poisoned before the launch and compared in full afterwards (padding included), so an
+unwritten element fails. Cases are seeded loops: random log-probs with deliberate ties, budgets 1..64,
+depths 1..16, top-K 1..8, batches 1..8, compaction patterns where accepted[k] == j for k < j.
+"""
+import math
+
+import numpy as np
+import pytest
+from numba import cuda, float32, float64, int32
+
+from engine import ddtree_ref, sampling_ref
+from numba_kernels import kv_compact, sampling, tree_accept, tree_build
+from numba_kernels.warp import INT32_MAX, block_argmax, block_max, block_sum
+
+pytestmark = [pytest.mark.sim, pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
+
+POISON_INT = -7
+
+
+def poisoned(shape, dtype):
+    fill = np.nan if np.dtype(dtype).kind == "f" else (0xDEADBEEF if np.dtype(dtype) == np.uint32 else POISON_INT)
+    return cuda.to_device(np.full(shape, fill, dtype=dtype))
+
+
+def random_drafts(rng, batch, depth_limit, top_k, tie_pool):
+    """float32 [b, L, K] log-probs sorted descending (from a small value pool when tie_pool), ids [b, L, K]."""
+    if tie_pool:
+        logprobs = -rng.integers(0, tie_pool, size=(batch, depth_limit, top_k)).astype(np.float32) * np.float32(0.25)
+    else:
+        logprobs = np.log(rng.dirichlet(np.ones(top_k + 1), size=(batch, depth_limit))[..., :top_k]).astype(np.float32)
+    logprobs = -np.sort(-logprobs, axis=2)
+    ids = rng.integers(0, 1000, size=(batch, depth_limit, top_k)).astype(np.int32)
+    return logprobs.astype(np.float32), ids
+
+
+# --- warp.py block reductions --------------------------------------------------------------------
+
+BLOCK = 8
+
+
+@cuda.jit
+def reduce_probe_kernel(values, maxes, sums, arg_values, arg_ids):
+    scratch = cuda.shared.array(BLOCK, float64)
+    scratch_ids = cuda.shared.array(BLOCK, int32)
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    value = values[row, tid]
+    maxes[row, tid] = block_max(value, scratch)
+    sums[row, tid] = block_sum(value, scratch)
+    index = int32(tid) if not math.isinf(value) else int32(INT32_MAX)
+    best, best_id = block_argmax(value, index, scratch, scratch_ids)
+    arg_values[row, tid] = best
+    arg_ids[row, tid] = best_id
+
+
+@pytest.mark.parametrize("width", [1, 2, 8])
+def test_block_reductions_every_thread_gets_the_result(width):
+    rng = np.random.default_rng(width)
+    values = rng.integers(-3, 3, size=(6, width)).astype(np.float64)  # small range: many ties
+    values[0] = -np.inf
+    maxes, sums, arg_values = (poisoned((6, width), np.float64) for _ in range(3))
+    arg_ids = poisoned((6, width), np.int32)
+    reduce_probe_kernel[6, width](values, maxes, sums, arg_values, arg_ids)
+    for row in range(6):
+        assert (maxes.copy_to_host()[row] == values[row].max()).all()
+        np.testing.assert_allclose(sums.copy_to_host()[row], values[row].sum())
+        expected_id = int(np.argmax(values[row])) if np.isfinite(values[row]).any() else INT32_MAX
+        assert (arg_ids.copy_to_host()[row] == expected_id).all()
+        assert (arg_values.copy_to_host()[row] == values[row].max()).all()
+
+
+# --- tree build ----------------------------------------------------------------------------------
+
+def run_build(logprobs, ids, roots, prefix_lens, budget):
+    batch, nodes = logprobs.shape[0], budget + 1
+    outs = dict(tokens=poisoned((batch, nodes), np.int32), parents=poisoned((batch, nodes), np.int32),
+                depths=poisoned((batch, nodes), np.int32), ranks=poisoned((batch, nodes), np.int32),
+                scores=poisoned((batch, nodes), np.float32), positions=poisoned((batch, nodes), np.int32),
+                num_nodes=poisoned(batch, np.int32), visibility=poisoned((batch, nodes, (nodes + 31) // 32), np.uint32))
+    tree_build.build_trees_kernel[batch, tree_build.BUILD_THREADS](logprobs, ids, roots, prefix_lens, budget,
+                                                                   *outs.values())
+    return {name: array.copy_to_host() for name, array in outs.items()}
+
+
+def expected_build(logprobs, ids, roots, prefix_lens, budget):
+    """Reference trees laid out as the kernel's padded outputs."""
+    batch, nodes = logprobs.shape[0], budget + 1
+    words = (nodes + 31) // 32
+    exp = dict(tokens=np.full((batch, nodes), -1, np.int32), parents=np.full((batch, nodes), -1, np.int32),
+               depths=np.full((batch, nodes), -1, np.int32), ranks=np.full((batch, nodes), -1, np.int32),
+               scores=np.full((batch, nodes), -np.inf, np.float32), positions=np.full((batch, nodes), -1, np.int32),
+               num_nodes=np.zeros(batch, np.int32), visibility=np.zeros((batch, nodes, words), np.uint32))
+    for r in range(batch):
+        tree = ddtree_ref.build_tree(logprobs[r], ids[r], int(roots[r]), budget, int(prefix_lens[r]))
+        n = tree.num_nodes
+        exp["num_nodes"][r] = n
+        for name in ("tokens", "parents", "depths", "ranks", "scores", "positions"):
+            exp[name][r, :n] = getattr(tree, name)
+        bits = np.zeros((nodes, words * 32), dtype=bool)
+        bits[:n, :n] = tree.visibility
+        exp["visibility"][r] = np.packbits(bits, axis=1, bitorder="little").view(np.uint32)
+    return exp
+
+
+BUILD_CASES = list(range(70))
+
+
+@pytest.mark.parametrize("case", BUILD_CASES)
+def test_build_trees_bit_exact(case):
+    rng = np.random.default_rng(1000 + case)
+    batch = int(rng.integers(1, 9))
+    depth_limit = int(rng.integers(1, 17))
+    top_k = int(rng.integers(1, 9))
+    budget = int(rng.integers(1, 65))
+    tie_pool = [None, 2, 3, 5][case % 4]
+    logprobs, ids = random_drafts(rng, batch, depth_limit, top_k, tie_pool)
+    roots = rng.integers(0, 1000, size=batch).astype(np.int32)
+    prefix_lens = rng.integers(0, 500, size=batch).astype(np.int32)
+    got = run_build(logprobs, ids, roots, prefix_lens, budget)
+    exp = expected_build(logprobs, ids, roots, prefix_lens, budget)
+    for name in exp:
+        assert got[name].tobytes() == exp[name].tobytes(), name
+
+
+def test_build_trees_budget_zero_and_exhausted_space():
+    rng = np.random.default_rng(5)
+    logprobs, ids = random_drafts(rng, 2, 2, 2, None)  # 2 + 4 = 6 prefixes in all
+    for budget in (0, 6, 9):
+        got = run_build(logprobs, ids, np.array([1, 2], np.int32), np.array([0, 3], np.int32), budget)
+        exp = expected_build(logprobs, ids, np.array([1, 2]), np.array([0, 3]), budget)
+        assert got["num_nodes"].tolist() == [min(budget, 6) + 1] * 2
+        for name in exp:
+            assert got[name].tobytes() == exp[name].tobytes(), name
+
+
+def test_build_trees_launcher_checks_and_returns_device_arrays():
+    rng = np.random.default_rng(6)
+    logprobs, ids = random_drafts(rng, 2, 3, 2, 2)
+    out = tree_build.build_trees(logprobs, ids, np.array([1, 2]), np.array([4, 5]), 5).to_host()
+    exp = expected_build(logprobs, ids, np.array([1, 2]), np.array([4, 5]), 5)
+    assert all(out[name].tobytes() == exp[name].tobytes() for name in exp)
+    with pytest.raises(ValueError, match="budget"):
+        tree_build.build_trees(logprobs, ids, np.array([1, 2]), np.array([4, 5]), tree_build.MAX_BUDGET + 1)
+    with pytest.raises(ValueError, match="float32"):
+        tree_build.build_trees(logprobs.astype(np.float64), ids, np.array([1, 2]), np.array([4, 5]), 5)
+    with pytest.raises(ValueError, match=r"\[b="):
+        tree_build.build_trees(logprobs, ids, np.array([1]), np.array([4, 5]), 5)
+
+
+# --- accept --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", range(40))
+def test_accept_trees_bit_exact(case):
+    rng = np.random.default_rng(2000 + case)
+    batch = int(rng.integers(1, 9))
+    depth_limit = int(rng.integers(1, 9))
+    top_k = int(rng.integers(1, 4))
+    budget = int(rng.integers(1, 33))
+    logprobs, ids = random_drafts(rng, batch, depth_limit, top_k, 3)
+    ids %= 3  # tiny vocabulary: repeated sibling tokens and frequent matches
+    trees = [ddtree_ref.build_tree(logprobs[r], ids[r], 0, budget, 0) for r in range(batch)]
+    nodes = budget + 1
+    parents = np.full((batch, nodes), -1, np.int32)
+    tokens = np.full((batch, nodes), -1, np.int32)
+    choice = rng.integers(0, 3, size=(batch, nodes)).astype(np.int32)
+    num_nodes = np.array([t.num_nodes for t in trees], np.int32)
+    for r, t in enumerate(trees):
+        parents[r, :t.num_nodes] = t.parents
+        tokens[r, :t.num_nodes] = t.tokens
+    accepted = poisoned((batch, depth_limit + 1), np.int32)
+    tau = poisoned(batch, np.int32)
+    bonus = poisoned(batch, np.int32)
+    tree_accept.accept_trees_kernel[batch, tree_accept.ACCEPT_THREADS](parents, tokens, choice, num_nodes,
+                                                                       accepted, tau, bonus)
+    for r, t in enumerate(trees):
+        path, bonus_token = ddtree_ref.accept(t.parents, t.tokens, choice[r, :t.num_nodes])
+        padded = np.full(depth_limit + 1, -1, np.int32)
+        padded[:len(path)] = path
+        assert accepted.copy_to_host()[r].tolist() == padded.tolist()
+        assert tau.copy_to_host()[r] == len(path) and bonus.copy_to_host()[r] == bonus_token
+
+
+def test_accept_trees_launcher_shapes():
+    accepted, tau, bonus = tree_accept.accept_trees(np.array([[-1, 0]]), np.array([[5, 6]]), np.array([[6, 2]]),
+                                                    np.array([2]), depth_limit=3)
+    assert accepted.copy_to_host().tolist() == [[0, 1, -1, -1]] and tau.copy_to_host().tolist() == [2]
+    assert bonus.copy_to_host().tolist() == [2]
+    with pytest.raises(ValueError, match=r"\[b, N\+1\]"):
+        tree_accept.accept_trees(np.array([[-1, 0]]), np.array([[5]]), np.array([[6, 2]]), np.array([2]), 3)
+
+
+# --- compaction ----------------------------------------------------------------------------------
+
+def hazard_accepted(rng, width):
+    """An increasing accepted list from 0 with gaps of 1 or 2: a gap of 2 followed by more moves makes
+    accepted[k] == j for some k < j (row P+j is read for move k after move j wrote it, if done naively)."""
+    tau = int(rng.integers(1, width + 1))
+    steps = rng.integers(1, 3, size=tau - 1)
+    return np.concatenate([[0], np.cumsum(steps)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_compact_rows_all_layers_bit_exact(case):
+    rng = np.random.default_rng(3000 + case)
+    batch = int(rng.integers(1, 5))
+    layers = int(rng.integers(1, 4))
+    width = int(rng.integers(1, 10))
+    accept_width = int(rng.integers(1, 9))
+    paths = [hazard_accepted(rng, accept_width) for _ in range(batch)]
+    span = max(int(p[-1]) for p in paths) + 1
+    bases = (np.arange(batch) * (span + 2) + rng.integers(0, 2, size=batch)).astype(np.int32)  # disjoint ranges
+    capacity = int(bases.max()) + span + 1
+    cache = rng.standard_normal((layers, capacity, width)).astype(np.float32)
+    accepted = np.full((batch, accept_width), -1, np.int32)
+    tau = np.array([len(p) for p in paths], np.int32)
+    for r, p in enumerate(paths):
+        accepted[r, :len(p)] = p
+    expected = cache.copy()
+    for layer in range(layers):
+        for r, p in enumerate(paths):
+            ddtree_ref.compact_rows(expected[layer], int(bases[r]), p)
+    device_cache = cuda.to_device(cache)
+    src, dst = kv_compact.compact_rows(device_cache, bases, accepted, tau)
+    assert device_cache.copy_to_host().tobytes() == expected.tobytes()
+    for r, p in enumerate(paths):
+        assert src[r, :len(p)].tolist() == (bases[r] + p).tolist()
+        assert dst[r, :len(p)].tolist() == (bases[r] + np.arange(len(p))).tolist()
+        assert (src[r, len(p):] == -1).all() and (dst[r, len(p):] == -1).all()
+
+
+def test_compact_rows_hazard_explicit():
+    cache = np.arange(2 * 7 * 3, dtype=np.float32).reshape(2, 7, 3)
+    device_cache = cuda.to_device(cache)
+    kv_compact.compact_rows(device_cache, np.array([1]), np.array([[0, 2, 3, 4, 5]]), np.array([5]))
+    expected = cache.copy()
+    expected[:, 2:6] = cache[:, 3:7]  # rows 1+j <- 1+accepted[j]: row 3 read before it is overwritten
+    assert np.array_equal(device_cache.copy_to_host(), expected)
+    with pytest.raises(ValueError, match="device array"):
+        kv_compact.compact_rows(cache, np.array([1]), np.array([[0]]), np.array([1]))
+    with pytest.raises(ValueError, match="outside the cache"):
+        kv_compact.compact_rows(device_cache, np.array([5]), np.array([[0, 3]]), np.array([2]))
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+def random_logits(rng, rows, vocab, ties):
+    if ties:
+        return rng.integers(-3, 3, size=(rows, vocab)).astype(np.float32)
+    return rng.standard_normal((rows, vocab)).astype(np.float32)
+
+
+@pytest.mark.parametrize("case", range(24))
+def test_argmax_topk_sample_rows_bit_exact(case):
+    rng = np.random.default_rng(4000 + case)
+    rows = int(rng.integers(1, 5))
+    vocab = int(rng.integers(1, 120))
+    logits = random_logits(rng, rows, vocab, ties=case % 2 == 0)
+    k = int(rng.integers(1, min(16, vocab) + 1))
+    threads = sampling.ROW_THREADS
+
+    ids = poisoned(rows, np.int32)
+    sampling.argmax_rows_kernel[rows, threads](logits, ids)
+    assert ids.copy_to_host().tolist() == [sampling_ref.choose_token(row, 0.0, 0, 0) for row in logits]
+
+    top_ids, top_values = poisoned((rows, k), np.int32), poisoned((rows, k), np.float32)
+    margins = poisoned(rows, np.float32)
+    sampling.topk_rows_kernel[rows, threads](logits, top_ids, top_values, margins)
+    for r in range(rows):
+        ref_ids, ref_values, ref_margin = sampling_ref.topk_with_margin(logits[r], k)
+        assert top_ids.copy_to_host()[r].tolist() == ref_ids.tolist()
+        assert top_values.copy_to_host()[r].tobytes() == ref_values.tobytes()
+        assert margins.copy_to_host()[r].tobytes() == np.float32(ref_margin).tobytes()
+
+    seed = int(rng.integers(0, 2 ** 63))
+    positions = rng.integers(0, 10_000, size=rows).astype(np.int64)
+    temperature = float(rng.choice([0.3, 1.0, 2.5]))
+    ids = poisoned(rows, np.int32)
+    sampling.sample_rows_kernel[rows, threads](logits, temperature, np.uint64(seed), positions, ids)
+    assert ids.copy_to_host().tolist() == [sampling_ref.choose_token(logits[r], temperature, seed, int(positions[r]))
+                                           for r in range(rows)]
+
+
+def test_sampling_launchers():
+    logits = np.array([[0.0, 2.0, 2.0], [5.0, -1.0, 4.0]], np.float32)
+    assert sampling.sample_rows(logits, 0.0, 1, np.array([0, 1])).copy_to_host().tolist() == [1, 0]
+    ids, values, margins = sampling.topk_rows(logits, 2)
+    assert ids.copy_to_host().tolist() == [[1, 2], [0, 2]] and margins.copy_to_host().tolist() == [0.0, 1.0]
+    with pytest.raises(ValueError, match="k must be"):
+        sampling.topk_rows(logits, 4)
+    with pytest.raises(ValueError, match="float32"):
+        sampling.argmax_rows(logits.astype(np.float64))
