@@ -314,6 +314,61 @@ def test_moe_equals_dense_sum_over_chosen_experts(name):
 
 
 # ---------------------------------------------------------------------------------------------- model
+def _hf_style_logits(cfg, weights, tokens):
+    """An independent transcription of HF's DeepseekV3 forward for one causal sequence, no cache: keys and
+    values from kv_b_proj(c).view(t, h, n + v), per-token expert loop. Reuses only the separately tested
+    rms_norm, RoPE and gate."""
+    h, n, r, v, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                     cfg.kv_lora_rank)
+    W = {name: w.astype(np.float64) for name, w in weights.items()}
+    s = len(tokens)
+    cos, sin = R.rope_cos_sin(cfg, np.arange(s))
+    eps = cfg.rms_norm_eps
+    ffn = lambda x, p: (lambda g: g / (1 + np.exp(-g)))(x @ W[p + "gate_proj.weight"].T) \
+        * (x @ W[p + "up_proj.weight"].T) @ W[p + "down_proj.weight"].T
+    x = W["model.embed_tokens.weight"][tokens]
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        hx = R.rms_norm(x, W[p + "input_layernorm.weight"], eps)
+        if cfg.q_lora_rank is None:
+            q = hx @ W[p + "self_attn.q_proj.weight"].T
+        else:
+            q = R.rms_norm(hx @ W[p + "self_attn.q_a_proj.weight"].T, W[p + "self_attn.q_a_layernorm.weight"], eps) \
+                @ W[p + "self_attn.q_b_proj.weight"].T
+        q = q.reshape(s, h, n + r)
+        q = np.concatenate([q[..., :n], R.apply_rope(q[..., n:], cos, sin)], axis=-1)
+        compressed = hx @ W[p + "self_attn.kv_a_proj_with_mqa.weight"].T
+        k_pe = R.apply_rope(compressed[:, c:], cos, sin)
+        kv = (R.rms_norm(compressed[:, :c], W[p + "self_attn.kv_a_layernorm.weight"], eps)
+              @ W[p + "self_attn.kv_b_proj.weight"].T).reshape(s, h, n + v)
+        keys = np.concatenate([kv[..., :n], np.repeat(k_pe[:, None, :], h, axis=1)], axis=-1)
+        out = np.zeros((s, h, v))
+        for head in range(h):
+            scores = q[:, head] @ keys[:, head].T * cfg.softmax_scale
+            scores[np.triu_indices(s, 1)] = -np.inf
+            probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+            out[:, head] = (probs / probs.sum(axis=1, keepdims=True)) @ kv[:, head, n:]
+        x = x + out.reshape(s, h * v) @ W[p + "self_attn.o_proj.weight"].T
+        hx = R.rms_norm(x, W[p + "post_attention_layernorm.weight"], eps)
+        if not cfg.is_moe_layer(layer):
+            x = x + ffn(hx, p + "mlp.")
+            continue
+        ids, gate_w = R.moe_gate(cfg, hx, W[p + "mlp.gate.weight"], W[p + "mlp.gate.e_score_correction_bias"])
+        y = ffn(hx, p + "mlp.shared_experts.") if cfg.n_shared_experts else np.zeros_like(hx)
+        for i in range(s):
+            for slot in range(ids.shape[1]):
+                y[i] += gate_w[i, slot] * ffn(hx[i:i + 1], p + f"mlp.experts.{ids[i, slot]}.")[0]
+        x = x + y
+    head = W["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    return R.rms_norm(x, W["model.norm.weight"], eps) @ head.T
+
+
+def test_model_matches_hf_style_transcription(model):
+    tokens = _tokens(np.random.default_rng(13), model.cfg, 8)
+    got = model.forward(model.new_cache(8), tokens, np.arange(8))
+    assert np.abs(got - _hf_style_logits(model.cfg, model.weights, tokens)).max() <= TOL
+
+
 def test_model_naive_equals_absorbed(model):
     cfg = model.cfg
     naive = R.ReferenceModel(cfg, model.weights, absorbed=False)
