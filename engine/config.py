@@ -115,6 +115,8 @@ class ModelConfig:
             raise ConfigError(f"scoring_func {self.scoring_func!r} is not supported (only 'sigmoid')")
         if self.topk_method not in ("noaux_tc", "greedy"):
             raise ConfigError(f"topk_method {self.topk_method!r} is not supported (noaux_tc)")
+        if self.has_moe and self.routed_scaling_factor <= 0:
+            raise ConfigError(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ConfigError("rope_theta and rms_norm_eps must be positive")
         if self.rope_scaling is not None:
@@ -163,53 +165,64 @@ class ModelConfig:
         cfg = raw.get("text_config", raw)  # Kimi K2.5/K2.6 nest the text model's fields
         if not isinstance(cfg, dict):
             raise ConfigError("text_config must be a JSON object")
-        rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None
-        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta") if rope_params else 10000.0)
-        scaling = cfg.get("rope_scaling") or rope_params
+        # Newer transformers write rope settings as `rope_parameters` with rope_theta inside.
+        rope_params = cfg.get("rope_parameters")
+        if rope_params is not None and not isinstance(rope_params, dict):
+            raise ConfigError("rope_parameters must be a JSON object")
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope_params is not None:
+            scaling, scaling_field = rope_params, "rope_parameters"
+        else:
+            scaling_field = "rope_scaling"
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ConfigError(f"{scaling_field} must be a JSON object or null, got {scaling!r}")
+        theta_source = cfg if "rope_theta" in cfg else (rope_params or {})
         rope_scaling = None
         if scaling:
             kind = scaling.get("type", scaling.get("rope_type"))
             if kind == "yarn":
-                try:
-                    rope_scaling = YarnScaling(
-                        factor=float(scaling["factor"]),
-                        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-                        beta_fast=float(scaling.get("beta_fast", 32.0)),
-                        beta_slow=float(scaling.get("beta_slow", 1.0)),
-                        mscale=float(scaling.get("mscale", 1.0)),
-                        mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)),
-                    )
-                except KeyError as e:
-                    raise ConfigError(f"rope_scaling of type yarn lacks {e.args[0]}") from None
+                for key in ("factor", "original_max_position_embeddings"):
+                    if key not in scaling:
+                        raise ConfigError(f"{scaling_field} of type yarn lacks {key}")
+                rope_scaling = YarnScaling(
+                    factor=_number(scaling, "factor", None, scaling_field),
+                    original_max_position_embeddings=_integer(scaling, "original_max_position_embeddings", None,
+                                                              scaling_field),
+                    beta_fast=_number(scaling, "beta_fast", 32.0, scaling_field),
+                    beta_slow=_number(scaling, "beta_slow", 1.0, scaling_field),
+                    mscale=_number(scaling, "mscale", 1.0, scaling_field),
+                    mscale_all_dim=_number(scaling, "mscale_all_dim", 0.0, scaling_field),
+                )
             elif kind not in (None, "default"):
-                raise ConfigError(f"rope_scaling type {kind!r} is not supported (only yarn)")
+                raise ConfigError(f"{scaling_field} type {kind!r} is not supported (only yarn)")
         if cfg.get("moe_layer_freq", 1) != 1:
-            raise ConfigError(f"moe_layer_freq {cfg['moe_layer_freq']} is not supported (only 1)")
+            raise ConfigError(f"moe_layer_freq {cfg['moe_layer_freq']!r} is not supported (only 1)")
         required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         missing = [k for k in required if k not in cfg]
         if missing:
             raise ConfigError(f"config lacks required field {missing[0]}")
-        kwargs: dict[str, Any] = {k: cfg[k] for k in required}
+        kwargs: dict[str, Any] = {k: _integer(cfg, k, None) for k in required}
+        q_lora = cfg.get("q_lora_rank")
         kwargs.update(
-            q_lora_rank=cfg.get("q_lora_rank"),
-            n_routed_experts=cfg.get("n_routed_experts") or 0,
-            num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
-            n_shared_experts=cfg.get("n_shared_experts") or 0,
-            moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
-            intermediate_size=cfg.get("intermediate_size") or 0,
-            first_k_dense_replace=cfg.get("first_k_dense_replace", 0),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            q_lora_rank=None if q_lora is None else _integer(cfg, "q_lora_rank", None),
+            n_routed_experts=_integer(cfg, "n_routed_experts", 0),
+            num_experts_per_tok=_integer(cfg, "num_experts_per_tok", 0),
+            n_shared_experts=_integer(cfg, "n_shared_experts", 0),
+            moe_intermediate_size=_integer(cfg, "moe_intermediate_size", 0),
+            intermediate_size=_integer(cfg, "intermediate_size", 0),
+            first_k_dense_replace=_integer(cfg, "first_k_dense_replace", 0),
+            routed_scaling_factor=_number(cfg, "routed_scaling_factor", 1.0),
             scoring_func=cfg.get("scoring_func", "sigmoid"),
             topk_method=cfg.get("topk_method", "noaux_tc"),
-            n_group=cfg.get("n_group") or 1,
-            topk_group=cfg.get("topk_group") or 1,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            rope_theta=float(rope_theta),
+            n_group=_integer(cfg, "n_group", 1),
+            topk_group=_integer(cfg, "topk_group", 1),
+            norm_topk_prob=_boolean(cfg, "norm_topk_prob", True),
+            rope_theta=_number(theta_source, "rope_theta", 10000.0),
             rope_scaling=rope_scaling,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=_number(cfg, "rms_norm_eps", 1e-6),
+            tie_word_embeddings=_boolean(cfg, "tie_word_embeddings", False),
+            max_position_embeddings=_integer(cfg, "max_position_embeddings", 4096),
             name=name,
         )
         return cls(**kwargs)
@@ -224,6 +237,37 @@ class ModelConfig:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_hf_dict(raw, name=path.parent.name or "custom")
+
+
+def _field_value(source: dict, key: str, default, where: str):
+    """The field's value, the default when absent; an explicit null is an error (q_lora_rank excepted)."""
+    value = source.get(key, default)
+    if value is None:
+        raise ConfigError(f"{where}{key} must be set, got null")
+    return value
+
+
+def _integer(source: dict, key: str, default, section: str = "") -> int:
+    where = f"{section}." if section else ""
+    value = _field_value(source, key, default, where)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}{key} must be an integer, got {value!r}")
+    return value
+
+
+def _number(source: dict, key: str, default, section: str = "") -> float:
+    where = f"{section}." if section else ""
+    value = _field_value(source, key, default, where)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where}{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _boolean(source: dict, key: str, default) -> bool:
+    value = _field_value(source, key, default, "")
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 _YARN_K2 = YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0,
