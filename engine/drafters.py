@@ -44,6 +44,13 @@ def _oracle_logprobs(top_k: int) -> np.ndarray:
     return np.log(np.concatenate([[ORACLE_TOP_PROB], rest])).astype(np.float32)
 
 
+def _unsure_logprobs(top_k: int) -> np.ndarray:
+    """float32 [K]: probabilities halving rank after rank (1/2, 1/4, ...), normalised: a drafter unsure of
+    the position, so the tree spends budget on siblings there."""
+    probs = 0.5 ** np.arange(1, top_k + 1, dtype=np.float64)
+    return np.log(probs / probs.sum()).astype(np.float32)
+
+
 class OracleDrafter:
     """Golden token at rank 0 at every depth; distinct distractors (golden+1, golden+2, ... mod V) below it.
 
@@ -88,7 +95,9 @@ class OracleDrafter:
 
 class NoisyOracleDrafter(OracleDrafter):
     """The oracle with misses: at each absolute position, with probability ``p`` the golden token is at rank 0;
-    otherwise a distractor takes rank 0 and the golden token is moved to a rank in 1..K-1 or dropped (even odds).
+    otherwise a distractor takes rank 0 and the golden token is moved to a rank in 1..K-1 or dropped (even odds),
+    and the row's log-probs are flatter (``_unsure_logprobs``): like a real drafter, it is less sure where it is
+    wrong, so DDTree's siblings can recover a moved golden token.
 
     The decision depends only on (seed, absolute position), so every step that drafts a position sees the same
     row and a run is reproducible.
@@ -124,7 +133,7 @@ class NoisyOracleDrafter(OracleDrafter):
         # K+1 candidates: distractors golden+1 .. golden+K (mod V; distinct from golden only when K < V).
         distractors = [int(t) for t in (golden + 1 + np.arange(self.top_k)) % self.vocab if t != golden]
         row = distractors[:self.top_k] if rank < 0 else distractors[:rank] + [golden] + distractors[rank:]
-        return np.asarray(row[:self.top_k], dtype=np.int32), logprobs
+        return np.asarray(row[:self.top_k], dtype=np.int32), _unsure_logprobs(self.top_k)
 
 
 @dataclass(frozen=True)
