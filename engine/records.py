@@ -46,15 +46,18 @@ def golden_agreement(logits: np.ndarray, positions: np.ndarray, prompt_len: int,
 
 
 def target_topk(logits: np.ndarray, k: int = TARGET_TOPK):
-    """Per node of logits [N+1, V]: top-k ids int32 [N+1, k'], logits float32 [N+1, k'] (k' = min(k, V); ties ->
-    lower id) and the top-1 minus top-2 margin float32 [N+1] (+inf when V == 1)."""
+    """Per node of logits [N+1, V]: top-k ids int32 [N+1, k], logits float32 [N+1, k] (ties -> lower id; past
+    V padded with -1 / NaN) and the top-1 minus top-2 margin float32 [N+1] (+inf when V == 1)."""
     logits = np.asarray(logits)
     width = min(k, logits.shape[1])
     order = np.lexsort((np.broadcast_to(np.arange(logits.shape[1]), logits.shape), -logits.astype(np.float64)),
                        axis=1)
     top = np.take_along_axis(logits, order[:, :max(width, 2)], axis=1)
     margin = top[:, 0] - top[:, 1] if logits.shape[1] > 1 else np.full(len(logits), np.inf)
-    return order[:, :width].astype(np.int32), top[:, :width].astype(np.float32), margin.astype(np.float32)
+    ids = np.full((len(logits), k), -1, dtype=np.int32)  # V < k: padded with -1 / NaN like the trace
+    values = np.full((len(logits), k), np.nan, dtype=np.float32)
+    ids[:, :width], values[:, :width] = order[:, :width], top[:, :width]
+    return ids, values, margin.astype(np.float32)
 
 
 def ddtree_step_record(prefix_len, root, draft_ids, draft_logprobs, tree, logits, choice, accepted, bonus,
@@ -109,9 +112,12 @@ class _OneNodeTree:
 
 
 def ar_step_record(prefix_len, root, logits, choice, times, cache, prompt, golden) -> dict:
-    """The record of one AR step: a one-node tree, no draft (L = K = 0), tau 1, the chosen token as the bonus."""
+    """The record of one AR step: a one-node tree, tau 1, the chosen token as the bonus; no draft fields (L = 0,
+    and the trace holds no draft fields when L*K == 0)."""
     bonus = int(np.asarray(choice)[0])
     empty = np.zeros((0, 0))
-    return ddtree_step_record(prefix_len, root, empty.astype(np.int32), empty.astype(np.float32),
-                              _OneNodeTree(root), logits, choice, [0], bonus, [bonus], prefix_len + 1, times,
-                              cache, prompt, golden)
+    record = ddtree_step_record(prefix_len, root, empty.astype(np.int32), empty.astype(np.float32),
+                                _OneNodeTree(root), logits, choice, [0], bonus, [bonus], prefix_len + 1, times,
+                                cache, prompt, golden)
+    del record["draft_ids"], record["draft_logprobs"]
+    return record
