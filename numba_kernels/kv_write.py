@@ -1,0 +1,79 @@
+"""Cache write of s new tokens, fused with kv_a_layernorm and RoPE on k_pe: one block per token.
+
+kv_a = kv_a_proj_with_mqa(x) is [s, c + r] = [latent | k_pe]. Row i of the result goes to cache row
+cache_start + i of one layer: [rms_norm(latent) * kv_norm_weight | rope(k_pe, positions[i])].
+The cache is ONE device array per model, float32 [layers, capacity, c + r].
+Dimension letters: s tokens, c kv_lora_rank, r qk_rope_head_dim, t cache rows (capacity).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from numba_kernels.rmsnorm import inverse_rms, as_device_array, is_device_array
+from numba_kernels.rope import RopeTable, check_positions, rotate_pair
+from numba_kernels.warp import ON_SIMULATOR, block_sum
+
+KV_THREADS = 4 if ON_SIMULATOR else 256  # power of two (block_sum)
+
+
+@cuda.jit
+def write_kv_rows_kernel(kv_a, kv_norm_weight, eps, cos_table, sin_table, positions, cache, layer, cache_start):
+    """kv_a float32 [s, c+r]; kv_norm_weight float32 [c]; positions int64 [s];
+    cache float32 [layers, t, c+r]: rows cache_start .. cache_start+s-1 of `layer` written. Grid (s,)."""
+    token = cuda.blockIdx.x
+    scratch = cuda.shared.array(KV_THREADS, float32)
+    latent = kv_norm_weight.shape[0]
+    pairs = (kv_a.shape[1] - latent) // 2
+    row = cache_start + token
+    partial = float32(0.0)
+    for j in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
+        value = kv_a[token, j]
+        partial += value * value
+    inv = inverse_rms(block_sum(partial, scratch), latent, eps)
+    for j in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
+        cache[layer, row, j] = kv_a[token, j] * inv * kv_norm_weight[j]
+    position = positions[token]
+    in_table = position >= 0 and position < cos_table.shape[0]
+    for pair in range(cuda.threadIdx.x, pairs, cuda.blockDim.x):
+        column = latent + 2 * pair
+        if in_table:
+            even, odd = rotate_pair(kv_a[token, column], kv_a[token, column + 1],
+                                    cos_table[position, pair], sin_table[position, pair])
+        else:
+            even, odd = float32(math.nan), float32(math.nan)
+        cache[layer, row, column] = even
+        cache[layer, row, column + 1] = odd
+
+
+def write_kv_rows(cache, layer: int, cache_start: int, kv_a, kv_norm_weight, eps: float, table: RopeTable,
+                  positions, stream=0):
+    """Write s tokens' [kv_norm(latent) | rope(k_pe)] into cache[layer, cache_start:cache_start+s] (device,
+    float32 [layers, t, c+r], in place). kv_a float32 [s, c+r]; kv_norm_weight float32 [c]; positions int64 [s].
+    Returns the cache."""
+    if not is_device_array(cache):
+        raise ValueError("cache must be a device array (it is written in place)")
+    cache, kv_a, kv_norm_weight = as_device_array(cache), as_device_array(kv_a), as_device_array(kv_norm_weight)
+    if cache.dtype != np.float32 or len(cache.shape) != 3:
+        raise ValueError(f"cache must be float32 [layers, t, c+r], got {cache.dtype} {tuple(cache.shape)}")
+    layers, capacity, width = cache.shape
+    latent = width - 2 * table.pairs
+    if kv_a.dtype != np.float32 or len(kv_a.shape) != 2 or kv_a.shape[1] != width:
+        raise ValueError(f"kv_a must be float32 [s, {width}], got {kv_a.dtype} {tuple(kv_a.shape)}")
+    if kv_norm_weight.dtype != np.float32 or tuple(kv_norm_weight.shape) != (latent,):
+        raise ValueError(f"kv_norm_weight must be float32 [{latent}], got {kv_norm_weight.dtype} "
+                         f"{tuple(kv_norm_weight.shape)}")
+    tokens = kv_a.shape[0]
+    if not 0 <= layer < layers:
+        raise ValueError(f"layer {layer} outside 0..{layers - 1}")
+    if cache_start < 0 or cache_start + tokens > capacity:
+        raise ValueError(f"rows {cache_start}..{cache_start + tokens - 1} do not fit the cache of {capacity} rows")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    positions = check_positions(positions, tokens, table)
+    if tokens:
+        write_kv_rows_kernel[tokens, KV_THREADS, stream](kv_a, kv_norm_weight, np.float32(eps), table.cos,
+                                                         table.sin, positions, cache, layer, cache_start)
+    return cache

@@ -1,0 +1,111 @@
+"""RMSNorm, plain and fused with the residual add: one thread block per token row.
+
+out[i] = x[i] / sqrt(mean_j x[i, j]^2 + eps) * w, all in float32; the sum of squares is a block tree
+reduction (numba_kernels.warp.block_sum) of per-thread fp32 partial sums.
+Dimension letters: s tokens, d width (hidden size, q_lora_rank or kv_lora_rank).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from numba_kernels.warp import ON_SIMULATOR, block_sum
+
+NORM_THREADS = 4 if ON_SIMULATOR else 256  # power of two (block_sum)
+
+
+@cuda.jit(device=True, inline=True)
+def inverse_rms(row_sum_squares, width, eps):
+    return float32(1.0) / math.sqrt(row_sum_squares / float32(width) + eps)
+
+
+@cuda.jit
+def rms_norm_kernel(x, weight, eps, out):
+    """x float32 [s, d]; weight float32 [d]; eps float32; out float32 [s, d] (may alias x). Grid (s,)."""
+    row = cuda.blockIdx.x
+    scratch = cuda.shared.array(NORM_THREADS, float32)
+    width = x.shape[1]
+    partial = float32(0.0)
+    for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+        value = x[row, j]
+        partial += value * value
+    inv = inverse_rms(block_sum(partial, scratch), width, eps)  # block_sum syncs: all x read before out written
+    for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+        out[row, j] = x[row, j] * inv * weight[j]
+
+
+@cuda.jit
+def add_rms_norm_kernel(x, residual, weight, eps, out):
+    """residual += x, then out = rms_norm(residual) * weight. x, residual, out float32 [s, d]; grid (s,)."""
+    row = cuda.blockIdx.x
+    scratch = cuda.shared.array(NORM_THREADS, float32)
+    width = x.shape[1]
+    partial = float32(0.0)
+    for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+        value = residual[row, j] + x[row, j]
+        residual[row, j] = value  # each thread re-reads only its own columns below
+        partial += value * value
+    inv = inverse_rms(block_sum(partial, scratch), width, eps)
+    for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+        out[row, j] = residual[row, j] * inv * weight[j]
+
+
+def as_device_array(array):
+    """Launcher helper: a numba device array as is; a __cuda_array_interface__ object (torch) wrapped
+    without a copy; anything else (numpy) copied to the device."""
+    if hasattr(array, "copy_to_host"):
+        return array
+    if hasattr(array, "__cuda_array_interface__"):
+        return cuda.as_cuda_array(array)
+    return cuda.to_device(np.ascontiguousarray(array))
+
+
+def is_device_array(array) -> bool:
+    return hasattr(array, "copy_to_host") or hasattr(array, "__cuda_array_interface__")
+
+
+def _check(name: str, array, shape: tuple | None = None) -> None:
+    if array.dtype != np.float32:
+        raise ValueError(f"{name} must be float32, got {array.dtype}")
+    if shape is not None and tuple(array.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(array.shape)}")
+
+
+def _check_norm_inputs(x, weight, out, eps):
+    if len(x.shape) != 2:
+        raise ValueError(f"x must be float32 [s, d], got shape {tuple(x.shape)}")
+    _check("x", x)
+    _check("weight", weight, (x.shape[1],))
+    if out is not None:
+        _check("out", out, tuple(x.shape))
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+
+
+def rms_norm(x, weight, eps: float, out=None, stream=0):
+    """RMSNorm of x float32 [s, d] with weight float32 [d] -> out float32 [s, d] (device; may be x itself)."""
+    x, weight = as_device_array(x), as_device_array(weight)
+    out = None if out is None else as_device_array(out)
+    _check_norm_inputs(x, weight, out, eps)
+    if out is None:
+        out = cuda.device_array(x.shape, dtype=np.float32, stream=stream)
+    if x.shape[0] > 0:
+        rms_norm_kernel[x.shape[0], NORM_THREADS, stream](x, weight, np.float32(eps), out)
+    return out
+
+
+def add_rms_norm(x, residual, weight, eps: float, out=None, stream=0):
+    """Fused pre-norm step: residual += x (in place, device float32 [s, d]); returns rms_norm(residual) * weight."""
+    if not is_device_array(residual):
+        raise ValueError("residual must be a device array (it is updated in place)")
+    x, residual, weight = as_device_array(x), as_device_array(residual), as_device_array(weight)
+    out = None if out is None else as_device_array(out)
+    _check_norm_inputs(x, weight, out, eps)
+    _check("residual", residual, tuple(x.shape))
+    if out is None:
+        out = cuda.device_array(x.shape, dtype=np.float32, stream=stream)
+    if x.shape[0] > 0:
+        add_rms_norm_kernel[x.shape[0], NORM_THREADS, stream](x, residual, weight, np.float32(eps), out)
+    return out
