@@ -9,10 +9,13 @@ from __future__ import annotations
 import numpy as np
 
 from .config import ModelConfig
+from .ddtree_ref import compact_rows
 from .reference_layers import (  # noqa: F401  (re-exported)
     apply_rope, dense_mlp, f64, layer_weights, linear, masked_softmax, mla_attention_absorbed, mla_attention_latent,
     mla_attention_naive, mla_projections, moe, moe_gate, rms_norm, rope_cos_sin, rope_frequencies, sigmoid, silu,
     split_kv_b, swiglu, yarn_get_mscale)
+from .sampling_ref import choose_token
+from .weights import check_weights
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -38,7 +41,6 @@ class ReferenceModel:
     """The golden model (docs/architecture.md, model protocol). ``absorbed=False`` uses naive MLA."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], absorbed: bool = True):
-        from .weights import check_weights
         check_weights(cfg, weights)
         self.cfg, self.weights, self.absorbed = cfg, weights, absorbed
         self.layers = [layer_weights(weights, i) for i in range(cfg.num_hidden_layers)]
@@ -110,7 +112,6 @@ class ReferenceModel:
 
     def compact(self, cache: ReferenceCache, accepted) -> None:
         """DDTree: in-flight row P+accepted[j] -> P+j in every layer, then length = P + len(accepted)."""
-        from .ddtree_ref import compact_rows
         accepted = np.asarray(accepted)
         if (accepted.ndim != 1 or len(accepted) == 0 or not np.issubdtype(accepted.dtype, np.integer)
                 or accepted.min() < 0 or accepted.max() >= cache.in_flight):
@@ -138,7 +139,6 @@ def decode(model: ReferenceModel, prompt_ids, max_new_tokens: int, temperature: 
     Token i sits at absolute position P+i (P = len(prompt)) and is chosen from logits[i] by
     engine.sampling_ref.choose_token(logits[i], temperature, seed, P+i): argmax at T=0 (ties -> lowest id).
     """
-    from .sampling_ref import choose_token
     prompt = np.asarray(prompt_ids, dtype=np.int64)
     if prompt.ndim != 1 or len(prompt) == 0:
         raise ValueError(f"prompt must be a non-empty 1-D list of token ids, got shape {prompt.shape}")
