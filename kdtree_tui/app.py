@@ -1,0 +1,344 @@
+"""TraceApp: the Textual trace debugger. Reads traces only through traces.reader (never the engine).
+
+Threads: one column worker reads the per-step columns after the first paint (and again when a followed
+trace grows); one exclusive step worker reads the current step's record, so scrubbing never blocks on
+the file and only the newest step's record is shown.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.widgets import Footer, Static, TabbedContent, TabPane
+from textual.worker import get_current_worker
+
+from traces.schema import TraceError
+
+from .commands import StepCommands
+from .messages import ColumnsLoaded, StepLoaded
+from .palette import palette
+from .screens import GoToStepScreen, HelpScreen
+from .session import FLAG_NAMES, Thresholds, TraceSession
+from .widgets.cache_panel import CachePanel
+from .widgets.compare_panel import ComparePanel
+from .widgets.logits_panel import LogitsPanel
+from .widgets.run_panel import RunPanel
+from .widgets.step_list import StepList
+from .widgets.tree_panel import TreePanel
+
+FOLLOW_INTERVAL = 0.5  # seconds between refresh() calls on a followed trace
+TABS = ("tree", "logits", "cache", "run", "compare")
+READ_ERRORS = (TraceError, OSError, IndexError, KeyError, ValueError, RuntimeError)
+
+
+class TraceApp(App[int]):
+    """Step through one trace (optionally beside another). See HelpScreen for the keys."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "kdtree"
+    COMMANDS = App.COMMANDS | {StepCommands}
+    BINDINGS = [
+        Binding("j,down", "step(1)", "next", key_display="j"),
+        Binding("k,up", "step(-1)", "prev", key_display="k"),
+        Binding("pagedown", "step(10)", "+10", show=False),
+        Binding("pageup", "step(-10)", "-10", show=False),
+        Binding("home", "first", "first", show=False),
+        Binding("end", "last", "last", show=False),
+        Binding("g", "go_to_step", "go to"),
+        Binding("n", "next_anomaly", "anomaly"),
+        Binding("p", "previous_anomaly", "prev anomaly", show=False),
+        Binding("b", "toggle_bookmark", "mark"),
+        Binding("B", "next_bookmark", "next mark", show=False),
+        Binding("1", "tab('tree')", "tree", show=False),
+        Binding("2", "tab('logits')", "logits", show=False),
+        Binding("3", "tab('cache')", "cache", show=False),
+        Binding("4", "tab('run')", "run", show=False),
+        Binding("5", "tab('compare')", "compare", show=False),
+        Binding("f", "toggle_follow", "follow", show=False),
+        Binding("d", "toggle_theme", "theme"),
+        Binding("question_mark", "help", "help", key_display="?"),
+        Binding("q", "quit", "quit"),
+    ]
+
+    def __init__(self, path: str, compare: Optional[str] = None, follow: bool = False,
+                 thresholds: Thresholds = Thresholds(), opener: Optional[Callable] = None) -> None:
+        super().__init__()
+        # Opening reads only metadata and the step count: TraceError here means a bad file.
+        self.session = TraceSession(path, thresholds, opener)
+        self.other = TraceSession(compare, thresholds, opener) if compare else None
+        self.following = follow
+        self.cursor = 0
+        self.record = None
+        self.message = ""
+        self._at_end = follow  # follow mode starts at (and sticks to) the last step
+        self._follow_timer = None
+
+    # -- layout ---------------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Static(id="status")
+        with Horizontal(id="main"):
+            yield StepList(self.session, id="steps")
+            with TabbedContent(initial="tree", id="tabs"):
+                with TabPane("1 Tree", id="tree"):
+                    yield TreePanel(id="tree-panel")
+                with TabPane("2 Logits", id="logits"):
+                    yield LogitsPanel(id="logits-panel")
+                with TabPane("3 Cache", id="cache"):
+                    yield CachePanel(id="cache-panel")
+                with TabPane("4 Run", id="run"):
+                    yield RunPanel(self.session, id="run-panel")
+                if self.other is not None:
+                    with TabPane("5 Compare", id="compare"):
+                        yield ComparePanel(self.session, self.other, id="compare-panel")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.theme_changed_signal.subscribe(self, lambda _theme: self.redraw())
+        self.query_one(StepList).focus()
+        self.update_status()
+        self.load_columns()
+        if self.following:
+            self._follow_timer = self.set_interval(FOLLOW_INTERVAL, self.poll_trace)
+
+    @property
+    def colours(self) -> dict:
+        return palette(self.current_theme.dark)
+
+    # -- workers --------------------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="columns")
+    def load_columns(self) -> None:
+        worker = get_current_worker()
+        try:
+            loaded = [self.session.read_columns()]
+            if self.other is not None:
+                loaded.append(self.other.read_columns())
+            if not worker.is_cancelled:
+                self.post_message(ColumnsLoaded(loaded))
+        except READ_ERRORS as e:
+            self.post_message(ColumnsLoaded(None, error=_one_line(e)))
+
+    @work(thread=True, exclusive=True, group="step")
+    def load_step(self, index: int) -> None:
+        worker = get_current_worker()
+        try:
+            record = self.session.step(index)
+        except READ_ERRORS as e:
+            self.post_message(StepLoaded(index, None, error=f"step {index}: {_one_line(e)}"))
+            return
+        if not worker.is_cancelled:
+            self.post_message(StepLoaded(index, record))
+
+    @work(thread=True, exclusive=True, group="times")
+    def load_stage_times(self) -> None:
+        try:
+            times = self.session.read_stage_times()
+        except READ_ERRORS:
+            return
+        self.call_from_thread(self._install_stage_times, times)
+
+    def _install_stage_times(self, times: dict) -> None:
+        self.query_one(RunPanel).stage_times = times
+        self.redraw_run()
+
+    @work(thread=True, exclusive=True, group="follow")
+    def poll_trace(self) -> None:
+        """Follow: has the trace grown (or finished)? Then re-read the columns."""
+        try:
+            if self.session.refresh():
+                loaded = [self.session.read_columns()]
+                if self.other is not None:
+                    loaded.append(self.other.read_columns())
+                self.post_message(ColumnsLoaded(loaded))
+        except READ_ERRORS as e:
+            self.post_message(ColumnsLoaded(None, error=_one_line(e)))
+
+    def on_columns_loaded(self, message: ColumnsLoaded) -> None:
+        if message.error:
+            self.show_error(message.error)
+            return
+        self.session.install(message.columns[0])
+        if self.other is not None:
+            self.other.install(message.columns[1])
+            self.query_one(ComparePanel).realign()
+        self.query_one(StepList).reset()
+        last = max(self.session.num_steps - 1, 0)
+        target = last if self._at_end else min(self.cursor, last)
+        self.query_one(RunPanel).stage_times = None
+        self.load_stage_times()
+        self.go_to(target, force=True)
+
+    def on_step_loaded(self, message: StepLoaded) -> None:
+        if message.index != self.cursor:
+            return
+        if message.error:
+            self.show_error(message.error)
+            return
+        self.message = ""
+        self.record = message.record
+        self.redraw_step()
+        self.update_status()
+
+    # -- drawing --------------------------------------------------------------------------------------
+    def redraw(self) -> None:
+        self.query_one(StepList).reset()
+        self.redraw_step()
+        self.redraw_run()
+        if self.other is not None and self.other.loaded:
+            self.query_one(ComparePanel).realign()
+            self.query_one(ComparePanel).follow_step(self.cursor)
+
+    def redraw_step(self) -> None:
+        record, s, colours = self.record, self.session, self.colours
+        if record is None:
+            return
+        self.query_one(TreePanel).show(record, s.tokenizer, colours)
+        self.query_one(LogitsPanel).show(record, s.tokenizer, colours, s.thresholds.dlogit)
+        self.query_one(CachePanel).show(record, colours, s.thresholds.cache)
+
+    def redraw_run(self) -> None:
+        if self.session.loaded:
+            self.query_one(RunPanel).show(self.colours, self.cursor)
+
+    def update_status(self) -> None:
+        s, colours = self.session, self.colours
+        text = Text()
+        text.append(f" {s.name} ", style="bold")
+        if not s.loaded:
+            text.append(f" {s.num_steps} steps, reading...")
+        elif s.num_steps == 0:
+            text.append(" no steps recorded yet")
+        else:
+            i = self.cursor
+            text.append(f" step {i}/{s.num_steps - 1}  P={int(s.columns['prefix_len'][i])} "
+                        f"tau={int(s.columns['tau'][i])} ")
+            flags = int(s.flags[i])
+            names = [name for bit, name in FLAG_NAMES.items() if flags & bit]
+            if names:
+                text.append(" " + ", ".join(names) + " ", style=colours["bad"])
+            if i in s.bookmarks:
+                text.append(" bookmarked ", style=colours["bookmark"])
+        if self.following:
+            text.append(" following" + ("" if s.is_complete else " (recording)"), style=colours["warn"])
+        if self.message:
+            text.append("  " + self.message, style=colours["bad"])
+        self.status_text = text
+        self.query_one("#status", Static).update(text)
+
+    def show_error(self, message: str) -> None:
+        self.message = message
+        self.update_status()
+        self.notify(message, severity="error", timeout=6)
+
+    # -- navigation -----------------------------------------------------------------------------------
+    def go_to(self, index: int, force: bool = False) -> None:
+        """Make ``index`` (clamped) the current step and read its record in the background."""
+        s = self.session
+        if s.num_steps == 0:
+            self.update_status()
+            return
+        index = max(0, min(int(index), s.num_steps - 1))
+        self._at_end = self.following and index == s.num_steps - 1
+        if index == self.cursor and not force and self.record is not None:
+            return
+        self.cursor = index
+        self.query_one(StepList).cursor = index
+        if self.other is not None and self.other.loaded:
+            self.query_one(ComparePanel).follow_step(index)
+        self.update_status()
+        if self.query_one(TabbedContent).active == "run":
+            self.redraw_run()
+        self.load_step(index)
+
+    def on_step_list_selected(self, message: StepList.Selected) -> None:
+        self.go_to(message.index)
+
+    def action_step(self, delta: int) -> None:
+        self.go_to(self.cursor + delta)
+
+    def action_first(self) -> None:
+        self.go_to(0)
+
+    def action_last(self) -> None:
+        self.go_to(self.session.num_steps - 1)
+
+    def action_go_to_step(self) -> None:
+        if self.session.num_steps:
+            self.push_screen(GoToStepScreen(self.session.num_steps),
+                             lambda index: self.go_to(index) if index is not None else None)
+
+    def _jump(self, found: Optional[int], what: str) -> None:
+        if found is None:
+            self.notify(f"no {what}", timeout=2)
+        else:
+            self.go_to(found)
+
+    def action_next_anomaly(self) -> None:
+        if self.session.loaded:
+            self._jump(self.session.next_flagged(self.cursor, 1), "anomaly after this step")
+
+    def action_previous_anomaly(self) -> None:
+        if self.session.loaded:
+            self._jump(self.session.next_flagged(self.cursor, -1), "anomaly before this step")
+
+    def action_toggle_bookmark(self) -> None:
+        if self.session.num_steps:
+            self.session.toggle_bookmark(self.cursor)
+            self.query_one(StepList).refresh()
+            self.update_status()
+
+    def action_next_bookmark(self) -> None:
+        self._jump(self.session.next_bookmark(self.cursor), "bookmarks (b sets one)")
+
+    def action_tab(self, tab: str) -> None:
+        if tab == "compare" and self.other is None:
+            self.notify("no second trace (start with --compare OTHER)", timeout=3)
+            return
+        self.query_one(TabbedContent).active = tab
+        if tab == "run":
+            self.redraw_run()
+
+    def action_toggle_follow(self) -> None:
+        self.following = not self.following
+        if self.following and self._follow_timer is None:
+            self._follow_timer = self.set_interval(FOLLOW_INTERVAL, self.poll_trace)
+        elif not self.following and self._follow_timer is not None:
+            self._follow_timer.stop()
+            self._follow_timer = None
+        self._at_end = self.following and self.cursor == self.session.num_steps - 1
+        self.update_status()
+
+    def action_toggle_theme(self) -> None:
+        self.theme = "textual-light" if self.current_theme.dark else "textual-dark"
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        if event.pane.id == "run":
+            self.redraw_run()
+
+    def on_unmount(self) -> None:
+        self.session.close()
+        if self.other is not None:
+            self.other.close()
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def run_app(path: str, compare: Optional[str] = None, follow: bool = False) -> int:
+    """Run the debugger on a trace; a file that is not a readable trace prints one line, returns 2."""
+    try:
+        app = TraceApp(path, compare=compare, follow=follow)
+    except TraceError as e:
+        print(f"kdtree tui: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    app.run()
+    return 0

@@ -1,0 +1,232 @@
+"""The debugger's data model: one open trace, its per-step columns, anomalies, bookmarks. No Textual.
+
+Everything the step list shows comes from columns read once (``reader.column``), so moving through a
+100k-step trace never touches the file; a step's full record is read on demand (``reader.step``).
+Dimension letters: S steps, L drafted depths (path width L+1), N+1 tree nodes.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+
+# Anomaly flags, one bit each in TraceSession.flags (uint8 [S]).
+DIVERGED, DLOGIT, LOW_TAU, CACHE = 1, 2, 4, 8
+FLAG_NAMES = {DIVERGED: "golden divergence", DLOGIT: "|dlogit| over threshold", LOW_TAU: "tau below threshold",
+              CACHE: "cache mismatch"}
+# Columns the step list and run view need (scalars, one value per step).
+LIST_COLUMNS = ("prefix_len", "tau", "num_nodes", "bonus_token", "cache_max_abs_diff")
+PATH_COLUMNS = ("committed_tokens", "golden_tokens", "logit_max_abs_diff")
+STAGE_COLUMNS = ("time_draft", "time_build", "time_verify", "time_accept", "time_compact", "time_trace_write")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """What counts as an anomaly: |dlogit| > dlogit, tau < min_tau (DDTree runs only), cache diff > cache."""
+
+    dlogit: float = 1e-4
+    min_tau: int = 2
+    cache: float = 1e-4
+
+
+def token_text(token_id: int, tokenizer: str = "byte") -> str:
+    """One token for display: printable ASCII as is, other bytes and ids as <id> (byte-level tokenizer)."""
+    token_id = int(token_id)
+    if tokenizer == "byte" and 32 <= token_id < 127:
+        return chr(token_id)
+    return f"<{token_id}>"
+
+
+def tokens_text(ids: Iterable[int], tokenizer: str = "byte") -> str:
+    return "".join(token_text(t, tokenizer) for t in ids if t >= 0)
+
+
+def _open_trace(path):
+    from traces.reader import open_trace
+
+    return open_trace(path)
+
+
+class TraceSession:
+    """A trace opened for viewing: metadata, columns, anomaly flags, bookmarks, step access.
+
+    Args:
+        path: the trace file (opened read-only through traces.reader).
+        thresholds: what counts as an anomaly.
+        opener: path -> reader (traces.reader.open_trace; tests may wrap it).
+    Raises traces' TraceError (one line) when the file cannot be opened as a trace.
+    """
+
+    def __init__(self, path: str | os.PathLike, thresholds: Thresholds = Thresholds(),
+                 opener: Optional[Callable[[Any], Any]] = None):
+        self.path = os.fspath(path)
+        self.name = os.path.basename(self.path)
+        self.thresholds = thresholds
+        self.reader = (opener or _open_trace)(self.path)
+        self.metadata: dict = dict(self.reader.metadata)
+        self.mode = str(self.metadata.get("mode", "ddtree"))
+        self.tokenizer = self._tokenizer()
+        self.bookmarks: set[int] = set()
+        # Until the columns are read (a worker does it after the first paint) the views show placeholders.
+        self.loaded = False
+        self.num_steps = int(self.reader.num_steps)
+        self.columns: dict[str, np.ndarray] = {}
+        self.flags = np.zeros(0, np.uint8)
+
+    def _tokenizer(self) -> str:
+        for key in ("tokenizer",):
+            if key in self.metadata:
+                return str(self.metadata[key])
+        for section in ("decode_config", "model_config"):
+            value = self.metadata.get(section)
+            if isinstance(value, dict) and "tokenizer" in value:
+                return str(value["tokenizer"])
+        return "byte"
+
+    # -- columns --------------------------------------------------------------------------------------
+    def read_columns(self) -> "Columns":
+        """Read every per-step column the views need (safe in a worker thread; installs nothing)."""
+        reader = self.reader
+        num_steps = int(reader.num_steps)
+        names = LIST_COLUMNS + PATH_COLUMNS
+        many = getattr(reader, "fields", None)  # one pass over the rows when the reader offers it
+        values = dict(many(names)) if callable(many) else {n: _read_field(reader, n) for n in names}
+        columns = {name: np.asarray(values[name])[:num_steps] for name in names}
+        for name in PATH_COLUMNS:
+            if columns[name].ndim == 1:
+                columns[name] = columns[name][:, None]
+        flags = compute_flags(columns, self.thresholds, self.mode)
+        return Columns(num_steps, columns, flags)
+
+    def install(self, loaded: "Columns") -> None:
+        """Make freshly read columns current (on the UI thread)."""
+        self.columns, self.flags, self.num_steps = loaded.columns, loaded.flags, loaded.num_steps
+        self.loaded = True
+
+    def load_columns(self) -> None:
+        self.install(self.read_columns())
+
+    def read_stage_times(self) -> dict[str, np.ndarray]:
+        """Per-step stage timings {column: float64 [S]} (read when the run view first needs them)."""
+        return {name: np.asarray(self.reader.column(name), np.float64) for name in STAGE_COLUMNS}
+
+    def refresh(self) -> bool:
+        """Re-read the step count of a trace still being written; True when it changed (columns to reload)."""
+        return int(self.reader.refresh()) != self.num_steps
+
+    @property
+    def is_complete(self) -> bool:
+        return bool(self.reader.is_complete)
+
+    def step(self, index: int):
+        """The full StepRecord of step ``index`` (reads only that step)."""
+        return self.reader.step(index)
+
+    def summary(self):
+        return self.reader.summary()
+
+    def close(self) -> None:
+        close = getattr(self.reader, "close", None)
+        if close is not None:
+            close()
+
+    # -- navigation -----------------------------------------------------------------------------------
+    def committed_text(self, index: int) -> str:
+        tau = int(self.columns["tau"][index])
+        return tokens_text(self.columns["committed_tokens"][index, :tau], self.tokenizer)
+
+    def next_flagged(self, index: int, direction: int, mask: int = 0xFF) -> Optional[int]:
+        """The nearest step after (direction 1) or before (-1) ``index`` with any flag in ``mask``."""
+        hits = np.flatnonzero(self.flags & mask)
+        return _nearest(hits, index, direction)
+
+    def toggle_bookmark(self, index: int) -> bool:
+        """Toggle; returns whether the step is bookmarked now."""
+        if index in self.bookmarks:
+            self.bookmarks.discard(index)
+            return False
+        self.bookmarks.add(index)
+        return True
+
+    def next_bookmark(self, index: int, direction: int = 1) -> Optional[int]:
+        """The next bookmark after ``index`` (wrapping around), or None without bookmarks."""
+        if not self.bookmarks:
+            return None
+        marks = np.array(sorted(self.bookmarks))
+        found = _nearest(marks, index, direction)
+        if found is None:  # wrap
+            found = int(marks[0] if direction > 0 else marks[-1])
+        return found
+
+    def search(self, query: str, limit: int = 20) -> list[int]:
+        """Steps whose committed text contains ``query`` (or whose number it is), at most ``limit``."""
+        query = query.strip()
+        found = []
+        if query.isdigit() and int(query) < self.num_steps:
+            found.append(int(query))
+        if query:
+            for i in range(self.num_steps):
+                if len(found) >= limit:
+                    break
+                if i not in found and query in self.committed_text(i):
+                    found.append(i)
+        return found
+
+    def step_of_position(self, position: int) -> Optional[int]:
+        """The step that committed the token at absolute position ``position`` (P < position <= P+tau)."""
+        prefix = self.columns["prefix_len"]
+        index = int(np.searchsorted(prefix, position, side="left")) - 1
+        if 0 <= index < self.num_steps and position <= prefix[index] + self.columns["tau"][index]:
+            return index
+        return None
+
+
+@dataclass
+class Columns:
+    """What read_columns returns: S steps, {name: [S] or [S, L+1] array}, anomaly flags uint8 [S]."""
+
+    num_steps: int
+    columns: dict
+    flags: np.ndarray
+
+
+def _read_field(reader, name: str) -> np.ndarray:
+    if name in PATH_COLUMNS:
+        return reader.field(name)
+    return reader.column(name)
+
+
+def compute_flags(columns: dict, thresholds: Thresholds, mode: str) -> np.ndarray:
+    """uint8 [S]: DIVERGED | DLOGIT | LOW_TAU | CACHE per step (padding past tau ignored)."""
+    c, t = columns, thresholds
+    tau = np.asarray(c["tau"])
+    committed, golden = c["committed_tokens"], c["golden_tokens"]
+    valid = np.arange(committed.shape[1])[None, :] < tau[:, None]
+    diverged = ((committed != golden) & valid & (golden >= 0)).any(axis=1)
+    with np.errstate(invalid="ignore"):
+        dlogit = (np.where(valid, np.abs(c["logit_max_abs_diff"]), 0) > t.dlogit).any(axis=1)
+        cache = np.abs(c["cache_max_abs_diff"]) > t.cache
+    low_tau = (tau < t.min_tau) if mode != "ar" else np.zeros(len(tau), bool)
+    flags = (diverged * DIVERGED) | (dlogit * DLOGIT) | (low_tau * LOW_TAU) | (cache * CACHE)
+    return flags.astype(np.uint8)
+
+
+def _nearest(sorted_hits: np.ndarray, index: int, direction: int) -> Optional[int]:
+    if direction > 0:
+        at = int(np.searchsorted(sorted_hits, index, side="right"))
+        return int(sorted_hits[at]) if at < len(sorted_hits) else None
+    at = int(np.searchsorted(sorted_hits, index, side="left")) - 1
+    return int(sorted_hits[at]) if at >= 0 else None
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} us"

@@ -1,0 +1,1 @@
+"""One widget per file: step list, tree / logits / cache / run / compare panels."""

@@ -1,0 +1,53 @@
+"""Golden vs engine at each committed position: tokens, |dlogit|, the top-1/top-2 margin, target top-k."""
+from __future__ import annotations
+
+import numpy as np
+from rich.text import Text
+
+from ..session import token_text
+from .panel import TextPanel
+
+
+def verdict(engine: int, golden: int, dlogit: float, margin: float) -> tuple[str, str]:
+    """(word, palette key): a flip is a near-tie when the margin is within twice the logit error."""
+    if golden < 0:
+        return "no golden", "muted"
+    if engine == golden:
+        return "ok", "ok"
+    if np.isfinite(dlogit) and np.isfinite(margin) and margin <= 2 * dlogit:
+        return "near-tie flip", "warn"
+    return "MISMATCH (margin > 2|dlogit|: a bug)", "bad"
+
+
+def render_logits(record, tokenizer: str, colours: dict, dlogit_threshold: float) -> Text:
+    """One block per committed position j (absolute position P+1+j), chosen at accepted node j."""
+    tau = int(record.tau)
+    accepted = np.asarray(record.accepted_nodes)[:tau]
+    text = Text()
+    text.append(f"step {record.index}: {tau} committed positions {record.prefix_len + 1}.."
+                f"{record.prefix_len + tau}\n", style=colours["label"])
+    text.append(f"{'pos':>7} {'node':>4}  {'engine':<7} {'golden':<7} {'|dlogit|':>9} {'margin':>7}  verdict\n",
+                style=colours["muted"])
+    for j in range(tau):
+        node = int(accepted[j])
+        engine, golden = int(record.committed_tokens[j]), int(record.golden_tokens[j])
+        dlogit = float(record.logit_max_abs_diff[j])
+        margin = float(record.target_margin[node])
+        word, key = verdict(engine, golden, dlogit, margin)
+        text.append(f"{record.prefix_len + 1 + j:>7} {node:>4}  ")
+        text.append(f"{token_text(engine, tokenizer)!r:<7} ", style=colours["accepted"])
+        text.append(f"{token_text(golden, tokenizer)!r:<7} " if golden >= 0 else f"{'-':<7} ")
+        style = colours["bad"] if dlogit > dlogit_threshold else ""
+        text.append(f"{dlogit:>9.2e}" if np.isfinite(dlogit) else f"{'-':>9}", style=style)
+        text.append(f" {margin:>7.3f}  ")
+        text.append(word + "\n", style=colours[key])
+        ids = np.asarray(record.target_topk_ids)[node]
+        logits = np.asarray(record.target_topk_logits)[node]
+        top = "  ".join(f"{token_text(t, tokenizer)!r} {v:.2f}" for t, v in zip(ids, logits) if t >= 0)
+        text.append(f"{'':>13}top-k {top}\n", style=colours["muted"])
+    return text
+
+
+class LogitsPanel(TextPanel):
+    def show(self, record, tokenizer: str, colours: dict, dlogit_threshold: float) -> None:
+        self.set_text(render_logits(record, tokenizer, colours, dlogit_threshold))
