@@ -118,7 +118,7 @@ def apply_rope(x, table: RopeTable, positions, stream=0):
     if not is_device_array(x):
         raise ValueError("x must be a device array (RoPE is applied in place)")
     x = as_device_array(x)
-    if x.dtype != np.float32 or len(x.shape) not in (2, 3) or x.shape[-1] != 2 * table.pairs:
+    if x.dtype != np.float32 or len(x.shape) not in (2, 3) or tuple(x.shape)[-1] != 2 * table.pairs:
         raise ValueError(f"x must be float32 [s, h, {2 * table.pairs}] or [s, {2 * table.pairs}], got "
                          f"{x.dtype} {tuple(x.shape)}")
     positions = check_positions(positions, x.shape[0], table)
