@@ -253,9 +253,9 @@ def _make_gate_up(load_pair):
                         acc[r, t] += w_lo[r] * x_lo + w_hi[r] * x_hi
             reduce_to_lane0(acc, scratch)
             if lane == 0:
-                for t in range(n_tokens):
+                for t in range(TOKENS_PER_PASS):  # constant trip counts keep acc in registers
                     for r in range(GATE_ROWS_PER_WARP):
-                        if first_row + r < f:
+                        if t < n_tokens and first_row + r < f:
                             act[chunk + t, first_row + r] = silu(acc[r, t]) * acc[GATE_ROWS_PER_WARP + r, t]
     return gate_up
 
@@ -298,10 +298,10 @@ def _make_down(load_pair):
                         acc[r, t] += w_lo[r] * a_lo + w_hi[r] * a_hi
             reduce_to_lane0(acc, scratch)
             if lane == 0:
-                for t in range(n_tokens):
-                    pair = sorted_pairs[chunk + t]
+                for t in range(TOKENS_PER_PASS):  # constant trip counts keep acc in registers
+                    pair = sorted_pairs[act_rows[t]]
                     for r in range(DOWN_ROWS_PER_WARP):
-                        if first_row + r < d:
+                        if t < n_tokens and first_row + r < d:
                             pair_out[pair, first_row + r] = acc[r, t]
     return down
 
@@ -368,20 +368,20 @@ def grouped_swiglu(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, str
     """pair_out[p] = down_e(silu(gate_e x_t) * up_e x_t) for every planned pair p = t*k + slot of expert e.
     Arguments already checked: x float32 [s, d]; weight views from weight_view; act float32 [P, f];
     pair_out float32 [P, d]."""
-    w_gate_up, gate_bf16 = w_gate_up
-    w_down, down_bf16 = w_down
+    w_gate_up, gate_is_bf16 = w_gate_up
+    w_down, down_is_bf16 = w_down
     f = act.shape[1]
     d = x.shape[1]
     max_active = plan.active_experts.shape[0]
     if max_active == 0:
         return
     rows_per_block = WARPS_PER_BLOCK * GATE_ROWS_PER_WARP
-    gate_up = gate_up_bf16 if gate_bf16 else gate_up_f32
+    gate_up = gate_up_bf16 if gate_is_bf16 else gate_up_f32
     gate_up[(math.ceil(f / rows_per_block), max_active), FFN_THREADS, stream](
         x, w_gate_up, d // 2, f, k, plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active,
         act)
     rows_per_block = WARPS_PER_BLOCK * DOWN_ROWS_PER_WARP
-    down = down_bf16 if down_bf16 else down_f32
+    down = down_bf16 if down_is_bf16 else down_f32
     down[(math.ceil(d / rows_per_block), max_active), FFN_THREADS, stream](
         act, w_down, f // 2, plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active,
         pair_out)
