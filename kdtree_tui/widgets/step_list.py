@@ -7,6 +7,7 @@ the columns are replaced (follow mode) or the theme changes.
 from __future__ import annotations
 
 from rich.text import Text
+from textual.binding import Binding
 from textual.cache import LRUCache
 from textual.events import Click
 from textual.geometry import Region, Size
@@ -29,6 +30,10 @@ class StepList(ScrollView, can_focus=True):
     StepList > .step-list--cursor { background: $primary 40%; text-style: bold; }
     """
     COMPONENT_CLASSES = {"step-list--cursor"}
+    # The scroll keys move the current step instead of only scrolling (ScrollView would take them).
+    BINDINGS = [Binding("down", "app.step(1)", show=False), Binding("up", "app.step(-1)", show=False),
+                Binding("pagedown", "app.step(10)", show=False), Binding("pageup", "app.step(-10)", show=False),
+                Binding("home", "app.first", show=False), Binding("end", "app.last", show=False)]
     cursor: reactive[int] = reactive(0, always_update=True)
 
     class Selected(Message):

@@ -1,0 +1,83 @@
+"""Shared helpers of the TUI tests (no tests here): trace fixtures, settling the app, a stable reader.
+
+Everything the tests compare against comes from the synthetic records themselves (kdtree_tui.synthetic),
+never from the app's own computations.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kdtree_tui.synthetic import synthetic_records, write_synthetic_trace
+
+# A small trace: 120 steps, block 8, budget 16 (anomalies every 29 steps).
+SMALL_STEPS = 120
+
+
+def small_trace(directory, name="synthetic.h5", steps=SMALL_STEPS, **kwargs) -> str:
+    return write_synthetic_trace(directory / name, steps, **kwargs)
+
+
+def small_records(steps=SMALL_STEPS, **kwargs) -> list[dict]:
+    return list(synthetic_records(steps, **kwargs))
+
+
+async def settle(app, pilot, rounds: int = 3) -> None:
+    """Let the reader workers finish and their messages be handled."""
+    for _ in range(rounds):
+        await pilot.pause()
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+
+
+class StableReader:
+    """Wraps a TraceReader so snapshots do not depend on measured values: the trace's own write times
+    (the only timings traces measure itself) read as 0."""
+
+    def __init__(self, reader):
+        self._reader = reader
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+    def column(self, name):
+        values = self._reader.column(name)
+        return np.zeros_like(values) if name == "time_trace_write" else values
+
+
+def stable_opener(path):
+    from traces.reader import open_trace
+
+    return StableReader(open_trace(path))
+
+
+def brute_flags(records, dlogit=1e-4, min_tau=2, cache=1e-4) -> list[set]:
+    """Per step the set of anomaly names, computed by plain loops over the records."""
+    out = []
+    for r in records:
+        names = set()
+        if any(int(c) != int(g) for c, g in zip(r["committed_tokens"], r["golden_tokens"])):
+            names.add("golden divergence")
+        if any(abs(float(d)) > dlogit for d in r["logit_max_abs_diff"]):
+            names.add("|dlogit| over threshold")
+        if len(r["accepted_nodes"]) < min_tau:
+            names.add("tau below threshold")
+        if abs(float(r["cache_max_abs_diff"])) > cache:
+            names.add("cache mismatch")
+        out.append(names)
+    return out
+
+
+def text_of(ids) -> str:
+    return "".join(chr(t) if 32 <= t < 127 else f"<{t}>" for t in ids)
+
+
+def run_async(test):
+    """Run an async test body with asyncio.run (no pytest async plugin is installed)."""
+    import asyncio
+    import functools
+
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+
+    return wrapper
