@@ -44,7 +44,9 @@ A_ROWS = ROW_TILE // A_ROW_GROUPS
 C_ROW_GROUPS = THREADS // C_COL_GROUPS      # phase C register tile: C_ROWS rows x C_COLS columns per thread
 C_ROWS = ROW_TILE // C_ROW_GROUPS
 C_COLS = MAX_LATENT // C_COL_GROUPS
+Q_LOADS = ROW_TILE * Q_CHUNK // THREADS     # q chunk elements each thread loads
 assert A_ROWS * A_ROW_GROUPS == ROW_TILE and C_ROWS * C_ROW_GROUPS == ROW_TILE and MAX_WIDTH % Q_CHUNK == 0
+assert Q_LOADS * THREADS == ROW_TILE * Q_CHUNK
 MERGE_THREADS = 8 if ON_SIMULATOR else 128
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q reloads, merge) outweighs the parallelism
 
@@ -56,6 +58,21 @@ def key_visible(token, key, prefix_len, visibility):
         return True
     j = key - prefix_len
     return (visibility[token, j >> 5] >> uint32(j & 31)) & uint32(1) != uint32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def load_q(q_lat, q_pe, row0, d0, index):
+    """Element `index` of the q chunk [ROW_TILE, Q_CHUNK] at rows row0.., dimensions d0.. of [q_lat | q_pe];
+    0 past the last row or dimension."""
+    heads, latent = q_lat.shape[1], q_lat.shape[2]
+    m = index // Q_CHUNK
+    d = d0 + index - m * Q_CHUNK
+    row = row0 + m
+    if row >= q_lat.shape[0] * heads or d >= latent + q_pe.shape[2]:
+        return float32(0.0)
+    token = row // heads
+    head = row - token * heads
+    return q_lat[token, head, d] if d < latent else q_pe[token, head, d - latent]
 
 
 @cuda.jit
@@ -83,6 +100,7 @@ def mla_attention_split_kernel(q_lat, q_pe, cache, prefix_len, visibility, scale
     row_alpha = cuda.shared.array(ROW_TILE, float32)
     acc_s = cuda.local.array(A_ROWS * A_KEYS, float32)
     acc_o = cuda.local.array(C_ROWS * C_COLS, float32)
+    q_next = cuda.local.array(Q_LOADS, float32)
 
     a_key_group = tid % A_KEY_GROUPS
     a_row_group = tid // A_KEY_GROUPS
@@ -103,19 +121,18 @@ def mla_attention_split_kernel(q_lat, q_pe, cache, prefix_len, visibility, scale
             keys_s[n, column] = cache[key, column] if key < key_end and column < width else 0.0
         for k in range(A_ROWS * A_KEYS):
             acc_s[k] = 0.0
-        # ---- A: scores of the tile, q streamed in chunks of Q_CHUNK dimensions
+        # ---- A: scores of the tile; q streams through q_s in chunks of Q_CHUNK dimensions, the next chunk
+        # prefetched into registers while this one is used (hides the global-load latency)
+        for k in range(Q_LOADS):
+            q_next[k] = load_q(q_lat, q_pe, row0, 0, tid + THREADS * k)
         for d0 in range(0, padded_width, Q_CHUNK):
-            for index in range(tid, ROW_TILE * Q_CHUNK, THREADS):
-                m = index // Q_CHUNK
-                d = d0 + index - m * Q_CHUNK
-                row = row0 + m
-                value = float32(0.0)
-                if row < rows and d < width:
-                    token = row // heads
-                    head = row - token * heads
-                    value = q_lat[token, head, d] if d < latent else q_pe[token, head, d - latent]
-                q_s[m, d - d0] = value
+            for k in range(Q_LOADS):
+                index = tid + THREADS * k
+                q_s[index // Q_CHUNK, index % Q_CHUNK] = q_next[k]
             cuda.syncthreads()  # q chunk (and, on the first chunk, the key tile) stored
+            if d0 + Q_CHUNK < padded_width:
+                for k in range(Q_LOADS):
+                    q_next[k] = load_q(q_lat, q_pe, row0, d0 + Q_CHUNK, tid + THREADS * k)
             for dd in range(Q_CHUNK):
                 for i in range(A_ROWS):
                     q = q_s[a_row_group + A_ROW_GROUPS * i, dd]
@@ -195,7 +212,7 @@ def merge_splits_kernel(o_part, lse_part, splits, out):
     heads, latent = out.shape[1], out.shape[2]
     token = cuda.blockIdx.x // heads
     head = cuda.blockIdx.x - token * heads
-    best = -math.inf
+    best = float32(-math.inf)
     for j in range(splits):
         best = max(best, lse_part[j, token, head])
     total = float32(0.0)
