@@ -415,6 +415,8 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, out=None, a
     if accumulate and out is None:
         raise ValueError("moe_experts: accumulate=True needs out= (the tensor to add to)")
     y = output(out, "out", (s, d), stream)
+    if s == 0:
+        return y
     gate_view = weight_view(w_gate_up, "w_gate_up")
     down_view = weight_view(w_down, "w_down")
     plan = plan_pairs(expert_ids, e, plan, stream)
