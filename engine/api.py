@@ -4,8 +4,7 @@
     result = engine.generate("hello", 24, mode="ddtree", drafter="noisy:0.6", on_step=writer.write_step)
 
 Backends (DESIGN.md section 5): "reference" runs the float64 golden model itself as the engine; "sim" and
-"cuda" run the Numba device model (not landed yet: they raise BackendUnavailable); "auto" takes the best
-available one.
+"cuda" run the Numba device model (engine/device_model.py); "auto" takes the best available one.
 """
 from __future__ import annotations
 
@@ -28,10 +27,23 @@ class BackendUnavailable(RuntimeError):
     """The backend asked for cannot run here; the message says why and what to use instead."""
 
 
-def _device_model(backend: str, cfg: ModelConfig, weights: dict):
-    # The seam for the Numba device model (backends sim / cuda): it lands later from the lead.
-    raise BackendUnavailable(f"backend {backend!r} is not available yet: the Numba device model has not landed "
-                             "(use backend='reference')")
+def _device_model(backend: str, cfg: ModelConfig, weights: dict, weight_dtype: str = "float32"):
+    """The Numba device model on ``cuda`` (needs a GPU and torch) or ``sim`` (the CUDA simulator)."""
+    from numba import cuda
+    from numba.cuda import config as cuda_config
+
+    simulated = bool(cuda_config.ENABLE_CUDASIM)
+    if backend == "sim" and not simulated:
+        raise BackendUnavailable("backend 'sim' needs NUMBA_ENABLE_CUDASIM=1 set before numba is imported")
+    if backend == "cuda":
+        if simulated or not cuda.is_available():
+            raise BackendUnavailable("backend 'cuda' needs a CUDA GPU (none is available here)")
+        try:
+            import torch  # noqa: F401  (cuBLAS for the dense projections)
+        except ImportError:
+            raise BackendUnavailable("backend 'cuda' needs torch for cuBLAS: pip install 'kdtree[gpu]'") from None
+    from .device_model import DeviceModel
+    return DeviceModel(cfg, weights, backend, weight_dtype)
 
 
 class Engine:
@@ -41,6 +53,10 @@ class Engine:
     def __init__(self, cfg: ModelConfig, weights: dict, backend: str, model, seed: int, source: str):
         self.cfg, self.weights, self.backend, self.model, self.seed, self.source = cfg, weights, backend, model, seed, source
         self._reference = model if isinstance(model, ReferenceModel) else None
+        self.tree_ops = None
+        if backend in ("sim", "cuda"):
+            from .device_model import DeviceTreeOps
+            self.tree_ops = DeviceTreeOps()
 
     @property
     def reference(self) -> ReferenceModel:
@@ -86,23 +102,32 @@ class Engine:
                                  self.cfg.vocab_size, seed)
         result = generate(self.model, ids, max_new_tokens, mode=mode, drafter=drafter, block_size=block_size,
                           budget=budget, topk=topk, temperature=temperature, seed=seed, golden=golden,
-                          on_step=on_step)
+                          on_step=on_step, tree_ops=self.tree_ops)
         result.meta.update(backend=self.backend, model=self.source, drafter=str(spec) if spec else
                            (None if drafter is None else type(drafter).__name__), golden=golden)
         return result
 
 
-def load(model: Union[str, Path] = "tiny", backend: str = "reference", seed: int = 0) -> Engine:
-    """A preset name (seeded random weights) or an HF checkpoint directory -> Engine on ``backend``."""
+def load(model: Union[str, Path] = "tiny", backend: str = "reference", seed: int = 0,
+         weight_dtype: str = "float32") -> Engine:
+    """A preset name (seeded random weights) or an HF checkpoint directory -> Engine on ``backend``.
+
+    "auto" takes the best backend available: cuda (a GPU with torch), else sim (when the CUDA simulator is on),
+    else reference. ``weight_dtype`` "bfloat16" stores the device model's weights in bf16 (fp32 arithmetic).
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     cfg, weights = load_model(model, seed)
-    if backend == "auto":
+    candidates = ("cuda", "sim", "reference") if backend == "auto" else (backend,)
+    for name in candidates:
         try:
-            return Engine(cfg, weights, "cuda", _device_model("cuda", cfg, weights), seed, str(model))
+            device_model = (ReferenceModel(cfg, weights) if name == "reference"
+                            else _device_model(name, cfg, weights, weight_dtype))
         except BackendUnavailable:
-            backend = "reference"
-    device_model = ReferenceModel(cfg, weights) if backend == "reference" else _device_model(backend, cfg, weights)
-    return Engine(cfg, weights, backend, device_model, seed, str(model))
+            if name == candidates[-1]:
+                raise
+            continue
+        return Engine(cfg, weights, name, device_model, seed, str(model))
+    raise AssertionError("unreachable")

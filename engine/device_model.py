@@ -1,0 +1,294 @@
+"""The device model: the whole forward on the Numba kernels (backend ``cuda`` on a GPU, ``sim`` under the CUDA
+simulator), implementing the model protocol of docs/architecture.md.
+
+Dense projections (q/kv/o projections, the per-head absorb products, the dense and shared-expert GEMMs, the
+router GEMM and the LM head) go through a vendor BLAS: cuBLAS via torch on ``cuda``, numpy's BLAS on host
+copies under ``sim``. Everything else is Numba: embedding, RMSNorm (residual add fused), RoPE, the KV cache
+write, MLA attention, the MoE router, the grouped routed experts, SiLU-mul, compaction, and (DeviceTreeOps)
+argmax / sampling / tree build / accept.
+
+Shapes (DeepSeek letters): s tokens, h heads, d hidden, c kv_lora_rank, n nope, r rope, v v_head_dim,
+e experts, f moe_intermediate_size. Activations are float32; the cache is one array [layers, capacity, c + r].
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from numba_kernels import (embedding, kv_compact, kv_write, mla_attention, moe_experts, moe_router, rmsnorm, rope,
+                           sampling, swiglu, tree_accept, tree_build)
+from . import ddtree_ref
+from .config import ModelConfig
+from .reference import rope_cos_sin, split_kv_b
+from .weights import check_weights
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), round to nearest even."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+class _SimOps:
+    """Under the simulator: device arrays are simulator arrays; dense products run in numpy (float32 BLAS)."""
+
+    name = "sim"
+
+    def upload(self, a: np.ndarray):
+        return cuda.to_device(np.ascontiguousarray(a))
+
+    def dense_weight(self, w: np.ndarray):
+        return np.ascontiguousarray(w, dtype=np.float32)
+
+    @staticmethod
+    def _host(x):
+        return x._ary if hasattr(x, "_ary") else np.asarray(x)  # the simulator's array, no copy
+
+    def linear(self, x, w):
+        """x [s, in] device, w [out, in] -> device [s, out]."""
+        return cuda.to_device(self._host(x) @ w.T)
+
+    def heads_matmul(self, x, w, transpose_w: bool):
+        """Per head: x [s, h, a] @ w[h] ([h, a, b], or [h, b, a] transposed) -> device [s, h, b]."""
+        xh = self._host(x)
+        return cuda.to_device(np.ascontiguousarray(np.einsum("sha,hba->shb" if transpose_w else "sha,hab->shb",
+                                                             xh, w)))
+
+    def to_host(self, x) -> np.ndarray:
+        return np.array(self._host(x))
+
+
+class _TorchOps:
+    """On a GPU: dense products through cuBLAS (torch); numba kernels share torch's current stream."""
+
+    name = "cuda"
+
+    def __init__(self, weight_dtype: str):
+        import torch
+        self.torch = torch
+        self.weight_dtype = torch.bfloat16 if weight_dtype == "bfloat16" else torch.float32
+
+    def upload(self, a: np.ndarray):
+        return cuda.to_device(np.ascontiguousarray(a))
+
+    def dense_weight(self, w: np.ndarray):
+        return self.torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to("cuda", self.weight_dtype)
+
+    def _t(self, x):
+        return self.torch.as_tensor(x, device="cuda")
+
+    def _w(self, w):
+        return w if w.dtype == self.torch.float32 else w.float()  # bf16 storage, fp32 arithmetic
+
+    def linear(self, x, w):
+        return cuda.as_cuda_array(self.torch.nn.functional.linear(self._t(x), self._w(w)).contiguous())
+
+    def heads_matmul(self, x, w, transpose_w: bool):
+        xh = self._t(x).transpose(0, 1)  # [h, s, a]
+        w = self._w(w)
+        out = self.torch.bmm(xh, w.transpose(1, 2) if transpose_w else w)  # [h, s, b]
+        return cuda.as_cuda_array(out.transpose(0, 1).contiguous())
+
+    def to_host(self, x) -> np.ndarray:
+        return x.copy_to_host() if hasattr(x, "copy_to_host") else self._t(x).cpu().numpy()
+
+
+class DeviceCache:
+    """The MLA cache on the device: kv [layers, capacity, c + r] float32, rows [normed latent | roped k_pe]."""
+
+    def __init__(self, cfg: ModelConfig, capacity: int):
+        self.kv = cuda.device_array((cfg.num_hidden_layers, capacity, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                                    dtype=np.float32)
+        self.latent = cfg.kv_lora_rank
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def c(self):
+        """Per layer latent rows [capacity, c] (device views), as the golden cache names them."""
+        return [self.kv[layer, :, :self.latent] for layer in range(self.kv.shape[0])]
+
+    @property
+    def k_pe(self):
+        return [self.kv[layer, :, self.latent:] for layer in range(self.kv.shape[0])]
+
+
+class DeviceModel:
+    """The model protocol on the Numba kernels. ``backend`` "cuda" (torch + a GPU) or "sim" (simulator)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str, weight_dtype: str = "float32"):
+        if backend not in ("cuda", "sim"):
+            raise ValueError(f"device backend must be 'cuda' or 'sim', got {backend!r}")
+        if weight_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"weight_dtype must be 'float32' or 'bfloat16', got {weight_dtype!r}")
+        check_weights(cfg, weights)
+        self.cfg, self.backend, self.weight_dtype = cfg, backend, weight_dtype
+        self.ops = _SimOps() if backend == "sim" else _TorchOps(weight_dtype)
+        self.max_cache_rows = cfg.max_position_embeddings
+        ops, bf16 = self.ops, weight_dtype == "bfloat16"
+        cos, sin = rope_cos_sin(cfg, np.arange(cfg.max_position_embeddings, dtype=np.int64))
+        self.rope = rope.RopeTable(ops.upload(cos.astype(np.float32)), ops.upload(sin.astype(np.float32)))
+        table = weights["model.embed_tokens.weight"]
+        self.embed = ops.upload(_bf16_bits(table) if bf16 else table)
+        self.final_norm = ops.upload(weights["model.norm.weight"])
+        self.lm_head = ops.dense_weight(weights["model.embed_tokens.weight" if cfg.tie_word_embeddings
+                                                else "lm_head.weight"])
+        self.layers = [self._load_layer(weights, i) for i in range(cfg.num_hidden_layers)]
+
+    def _load_layer(self, weights, i: int) -> dict:
+        cfg, ops = self.cfg, self.ops
+        p = f"model.layers.{i}."
+        w = lambda name: weights[p + name]  # noqa: E731
+        layer = dict(input_norm=ops.upload(w("input_layernorm.weight")),
+                     post_norm=ops.upload(w("post_attention_layernorm.weight")),
+                     kv_a=ops.dense_weight(w("self_attn.kv_a_proj_with_mqa.weight")),
+                     kv_norm=ops.upload(w("self_attn.kv_a_layernorm.weight")),
+                     o_proj=ops.dense_weight(w("self_attn.o_proj.weight")))
+        if cfg.q_lora_rank is None:
+            layer["q_proj"] = ops.dense_weight(w("self_attn.q_proj.weight"))
+        else:
+            layer["q_a"] = ops.dense_weight(w("self_attn.q_a_proj.weight"))
+            layer["q_norm"] = ops.upload(w("self_attn.q_a_layernorm.weight"))
+            layer["q_b"] = ops.dense_weight(w("self_attn.q_b_proj.weight"))
+        w_uk, w_uv = split_kv_b(cfg, w("self_attn.kv_b_proj.weight"))  # [h, n, c], [h, v, c]
+        layer["w_uk"] = ops.dense_weight(np.asarray(w_uk, dtype=np.float32))
+        layer["w_uv"] = ops.dense_weight(np.asarray(w_uv, dtype=np.float32))
+        if cfg.is_moe_layer(i):
+            bf16 = self.weight_dtype == "bfloat16"
+            stack = lambda names: np.stack([np.concatenate([w(f"mlp.experts.{e}.{n}.weight") for n in names])  # noqa: E731
+                                            for e in range(cfg.n_routed_experts)])
+            gate_up, down = stack(("gate_proj", "up_proj")), stack(("down_proj",))
+            layer["experts_gate_up"] = ops.upload(_bf16_bits(gate_up) if bf16 else gate_up)  # [e, 2f, d]
+            layer["experts_down"] = ops.upload(_bf16_bits(down) if bf16 else down)  # [e, d, f]
+            layer["router"] = ops.dense_weight(w("mlp.gate.weight"))
+            layer["router_bias"] = ops.upload(w("mlp.gate.e_score_correction_bias"))
+            if cfg.n_shared_experts:
+                layer["ffn_gate_up"] = ops.dense_weight(np.concatenate([w("mlp.shared_experts.gate_proj.weight"),
+                                                                        w("mlp.shared_experts.up_proj.weight")]))
+                layer["ffn_down"] = ops.dense_weight(w("mlp.shared_experts.down_proj.weight"))
+        else:
+            layer["ffn_gate_up"] = ops.dense_weight(np.concatenate([w("mlp.gate_proj.weight"),
+                                                                    w("mlp.up_proj.weight")]))
+            layer["ffn_down"] = ops.dense_weight(w("mlp.down_proj.weight"))
+        return layer
+
+    # -- model protocol ------------------------------------------------------------------------------
+    def new_cache(self, capacity: int) -> DeviceCache:
+        if not isinstance(capacity, (int, np.integer)) or not 1 <= capacity <= self.max_cache_rows:
+            raise ValueError(f"cache capacity must be in 1..{self.max_cache_rows}, got {capacity!r}")
+        return DeviceCache(self.cfg, int(capacity))
+
+    def forward(self, cache: DeviceCache, tokens, positions, visibility=None) -> np.ndarray:
+        """Logits float32 [s, V] (host) for ``tokens`` at ``positions``; writes cache rows length..length+s-1."""
+        cfg, ops = self.cfg, self.ops
+        tokens = np.asarray(tokens, dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)
+        s = tokens.shape[0]
+        if tokens.ndim != 1 or s < 1 or positions.shape != (s,):
+            raise ValueError(f"tokens and positions must be 1-D of one length, got {tokens.shape}, {positions.shape}")
+        if cache.length + s > cache.capacity:
+            raise ValueError(f"{s} new rows after {cache.length} exceed the cache capacity {cache.capacity}")
+        if positions.min() < 0 or positions.max() >= cfg.max_position_embeddings:
+            raise ValueError(f"positions must be in 0..{cfg.max_position_embeddings - 1}")
+        mask = (mla_attention.causal_visibility(s) if visibility is None
+                else mla_attention.pack_visibility(np.asarray(visibility, dtype=bool)))
+        mask = ops.upload(mask)
+        positions_dev = ops.upload(positions)
+        residual = embedding.embed_tokens(self.embed, ops.upload(tokens))
+        delta = None
+        for i, layer in enumerate(self.layers):
+            if delta is None:
+                normed = rmsnorm.rms_norm(residual, layer["input_norm"], cfg.rms_norm_eps)
+            else:
+                normed = rmsnorm.add_rms_norm(delta, residual, layer["input_norm"], cfg.rms_norm_eps)
+            attn = self._attention(i, layer, normed, cache, positions_dev, mask)
+            normed = rmsnorm.add_rms_norm(attn, residual, layer["post_norm"], cfg.rms_norm_eps)
+            delta = self._moe(layer, normed) if cfg.is_moe_layer(i) else self._dense_ffn(layer, normed)
+        normed = rmsnorm.add_rms_norm(delta, residual, self.final_norm, cfg.rms_norm_eps)
+        return ops.to_host(ops.linear(normed, self.lm_head))
+
+    def _attention(self, i, layer, x, cache, positions, mask):
+        cfg, ops = self.cfg, self.ops
+        h, n, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        s = x.shape[0]
+        if cfg.q_lora_rank is None:
+            q = ops.linear(x, layer["q_proj"])
+        else:
+            q = ops.linear(rmsnorm.rms_norm(ops.linear(x, layer["q_a"]), layer["q_norm"], cfg.rms_norm_eps),
+                           layer["q_b"])
+        q = q.reshape(s, h, n + r)
+        q_pe = rope.apply_rope(q[:, :, n:], self.rope, positions)
+        q_lat = ops.heads_matmul(q[:, :, :n], layer["w_uk"], transpose_w=False)  # [s, h, c]
+        kv_write.write_kv_rows(cache.kv, i, cache.length, ops.linear(x, layer["kv_a"]), layer["kv_norm"],
+                               cfg.rms_norm_eps, self.rope, positions)
+        o_lat = mla_attention.mla_attention(q_lat, q_pe, cache.kv[i], cache.length, mask, cfg.softmax_scale)
+        o = ops.heads_matmul(o_lat, layer["w_uv"], transpose_w=True)  # [s, h, v]
+        return ops.linear(o.reshape(s, h * cfg.v_head_dim), layer["o_proj"])
+
+    def _dense_ffn(self, layer, x, out=None):
+        return self.ops.linear(swiglu.silu_mul(self.ops.linear(x, layer["ffn_gate_up"])), layer["ffn_down"])
+
+    def _moe(self, layer, x):
+        cfg = self.cfg
+        expert_ids, expert_weights = moe_router.route_experts(self.ops.linear(x, layer["router"]),
+                                                              layer["router_bias"], **moe_router.router_options(cfg))
+        if cfg.n_shared_experts:
+            shared = self._dense_ffn(layer, x)
+            return moe_experts.moe_experts(x, expert_ids, expert_weights, layer["experts_gate_up"],
+                                           layer["experts_down"], out=shared, accumulate=True)
+        return moe_experts.moe_experts(x, expert_ids, expert_weights, layer["experts_gate_up"], layer["experts_down"])
+
+    def commit(self, cache: DeviceCache, s: int) -> None:
+        cache.length += int(s)
+
+    def compact(self, cache: DeviceCache, accepted) -> None:
+        accepted = np.asarray(accepted, dtype=np.int32)
+        kv_compact.compact_rows(cache.kv, np.array([cache.length], np.int32), accepted[None, :],
+                                np.array([len(accepted)], np.int32))
+        cache.length += len(accepted)
+
+
+class DeviceTreeOps:
+    """Token choice, tree build and accept on the device kernels (one request per launch here)."""
+
+    @staticmethod
+    def choose_tokens(logits: np.ndarray, temperature: float, seed: int, positions: np.ndarray) -> np.ndarray:
+        logits = cuda.to_device(np.ascontiguousarray(logits, dtype=np.float32))
+        if temperature == 0:
+            ids = sampling.argmax_rows(logits)
+        else:
+            ids = sampling.sample_rows(logits, float(temperature), int(seed), np.asarray(positions, dtype=np.int64))
+        ids = ids.copy_to_host() if hasattr(ids, "copy_to_host") else np.asarray(ids)
+        return ids.astype(np.int64)
+
+    @staticmethod
+    def build_tree(draft_logprobs, draft_ids, root_token: int, budget: int, prefix_len: int) -> ddtree_ref.Tree:
+        ddtree_ref.check_draft(draft_logprobs, draft_ids, budget)
+        batch = tree_build.build_trees(np.ascontiguousarray(draft_logprobs[None], dtype=np.float32),
+                                       np.ascontiguousarray(draft_ids[None], dtype=np.int32),
+                                       np.array([root_token], np.int32), np.array([prefix_len], np.int32), budget)
+        host = lambda a: (a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a))[0]  # noqa: E731
+        count = int(host(batch.num_nodes))
+        bits = host(batch.visibility)[:count]  # [N+1, W] uint32, bit j of row i: j is an ancestor-or-self of i
+        visibility = ((bits[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1).reshape(count, -1)[:, :count]
+        return ddtree_ref.Tree(tokens=host(batch.tokens)[:count].astype(np.int64),
+                               parents=host(batch.parents)[:count], depths=host(batch.depths)[:count],
+                               ranks=host(batch.ranks)[:count], scores=host(batch.scores)[:count],
+                               positions=host(batch.positions)[:count].astype(np.int64),
+                               visibility=visibility.astype(bool))
+
+    @staticmethod
+    def accept(parents, tokens, target_choice) -> tuple[np.ndarray, int]:
+        count = len(parents)
+        depth_limit = count  # a path has at most num_nodes nodes
+        accepted, tau, bonus = tree_accept.accept_trees(np.asarray(parents, np.int32)[None],
+                                                        np.asarray(tokens, np.int32)[None],
+                                                        np.asarray(target_choice, np.int32)[None],
+                                                        np.array([count], np.int32), depth_limit)
+        host = lambda a: a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)  # noqa: E731
+        tau = int(host(tau)[0])
+        return host(accepted)[0, :tau].astype(np.int32), int(host(bonus)[0])
