@@ -44,6 +44,8 @@ A_ROWS = ROW_TILE // A_ROW_GROUPS
 C_ROW_GROUPS = THREADS // C_COL_GROUPS      # phase C register tile: C_ROWS rows x C_COLS columns per thread
 C_ROWS = ROW_TILE // C_ROW_GROUPS
 C_COLS = MAX_LATENT // C_COL_GROUPS
+A_TILE = A_ROWS * A_KEYS                    # array sizes must be plain constants for Numba
+C_TILE = C_ROWS * C_COLS
 Q_LOADS = ROW_TILE * Q_CHUNK // THREADS     # q chunk elements each thread loads
 assert A_ROWS * A_ROW_GROUPS == ROW_TILE and C_ROWS * C_ROW_GROUPS == ROW_TILE and MAX_WIDTH % Q_CHUNK == 0
 assert Q_LOADS * THREADS == ROW_TILE * Q_CHUNK
@@ -98,8 +100,8 @@ def mla_attention_split_kernel(q_lat, q_pe, cache, prefix_len, visibility, scale
     row_max = cuda.shared.array(ROW_TILE, float32)
     row_sum = cuda.shared.array(ROW_TILE, float32)
     row_alpha = cuda.shared.array(ROW_TILE, float32)
-    acc_s = cuda.local.array(A_ROWS * A_KEYS, float32)
-    acc_o = cuda.local.array(C_ROWS * C_COLS, float32)
+    acc_s = cuda.local.array(A_TILE, float32)
+    acc_o = cuda.local.array(C_TILE, float32)
     q_next = cuda.local.array(Q_LOADS, float32)
 
     a_key_group = tid % A_KEY_GROUPS
