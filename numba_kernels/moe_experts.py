@@ -30,14 +30,18 @@ from .warp import ON_SIMULATOR, USE_SHUFFLE, WARP_SIZE, _warp_sum
 
 # Launch shapes. The simulator runs every thread as Python: fewer warps per block keeps it quick.
 WARPS_PER_BLOCK = 1 if ON_SIMULATOR else 8
-FFN_THREADS = WARPS_PER_BLOCK * WARP_SIZE
-GATE_ROWS_PER_WARP = 2    # intermediate rows per warp (each needs its gate row and its up row)
-DOWN_ROWS_PER_WARP = 4    # output rows per warp
+# A "warp" of LANES threads shares each weight row. The simulator has no shuffles (the reduction goes through
+# shared memory) and runs every thread in Python, so there a narrower group and more rows per group cut the
+# thread count ~16x; on a GPU LANES is the hardware warp.
+LANES = 4 if ON_SIMULATOR else WARP_SIZE
+FFN_THREADS = WARPS_PER_BLOCK * LANES
+GATE_ROWS_PER_WARP = 8 if ON_SIMULATOR else 2    # intermediate rows per warp (each a gate row and an up row)
+DOWN_ROWS_PER_WARP = 8 if ON_SIMULATOR else 4    # output rows per warp
 TOKENS_PER_PASS = 4       # tokens sharing one read of a weight row (register-blocked)
 GATE_ACC = 2 * GATE_ROWS_PER_WARP
 SCRATCH_THREADS = FFN_THREADS if ON_SIMULATOR else 1  # warp-sum scratch: only the simulator needs it
-PLAN_THREADS = 32 if ON_SIMULATOR else 1024
-COMBINE_THREADS = 32 if ON_SIMULATOR else 256
+PLAN_THREADS = 8 if ON_SIMULATOR else 1024
+COMBINE_THREADS = 8 if ON_SIMULATOR else 256
 
 
 # ------------------------------------------------------------------------------------ device helpers
@@ -89,11 +93,11 @@ def reduce_to_lane0(acc, scratch):
         for t in range(acc.shape[1]):
             scratch[i, t, tid] = acc[i, t]
     cuda.syncthreads()  # every lane's partials are stored
-    if tid % WARP_SIZE == 0:
+    if tid % LANES == 0:
         for i in range(acc.shape[0]):
             for t in range(acc.shape[1]):
                 total = float32(0.0)
-                for lane in range(WARP_SIZE):
+                for lane in range(LANES):
                     total += scratch[i, t, tid + lane]
                 acc[i, t] = total
     cuda.syncthreads()  # lane 0 has read them before scratch is reused
@@ -225,8 +229,8 @@ def _make_gate_up(load_pair):
         expert = active_experts[cuda.blockIdx.y]
         begin = expert_offsets[expert]
         end = expert_offsets[expert + 1]
-        lane = cuda.threadIdx.x % WARP_SIZE
-        first_row = (cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // WARP_SIZE) * GATE_ROWS_PER_WARP
+        lane = cuda.threadIdx.x % LANES
+        first_row = (cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // LANES) * GATE_ROWS_PER_WARP
         # weight rows of this warp: its gate rows, then the matching up rows (f further down)
         rows = cuda.local.array(GATE_ACC, int32)
         for r in range(GATE_ROWS_PER_WARP):
@@ -243,7 +247,7 @@ def _make_gate_up(load_pair):
                 tokens[t] = sorted_pairs[chunk + min(t, n_tokens - 1)] // k
                 for r in range(GATE_ACC):
                     acc[r, t] = 0.0
-            for word in range(lane, n_words, WARP_SIZE):
+            for word in range(lane, n_words, LANES):
                 for r in range(GATE_ACC):
                     w_lo[r], w_hi[r] = load_pair(w_gate_up, expert, rows[r], word)
                 for t in range(TOKENS_PER_PASS):
@@ -273,8 +277,8 @@ def _make_down(load_pair):
         expert = active_experts[cuda.blockIdx.y]
         begin = expert_offsets[expert]
         end = expert_offsets[expert + 1]
-        lane = cuda.threadIdx.x % WARP_SIZE
-        first_row = (cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // WARP_SIZE) * DOWN_ROWS_PER_WARP
+        lane = cuda.threadIdx.x % LANES
+        first_row = (cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // LANES) * DOWN_ROWS_PER_WARP
         rows = cuda.local.array(DOWN_ROWS_PER_WARP, int32)
         for r in range(DOWN_ROWS_PER_WARP):
             rows[r] = min(first_row + r, d - 1)  # past d: recompute the last row, never store it
@@ -288,7 +292,7 @@ def _make_down(load_pair):
                 act_rows[t] = chunk + min(t, n_tokens - 1)
                 for r in range(DOWN_ROWS_PER_WARP):
                     acc[r, t] = 0.0
-            for word in range(lane, n_words, WARP_SIZE):
+            for word in range(lane, n_words, LANES):
                 for r in range(DOWN_ROWS_PER_WARP):
                     w_lo[r], w_hi[r] = load_pair(w_down, expert, rows[r], word)
                 for t in range(TOKENS_PER_PASS):

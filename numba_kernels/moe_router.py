@@ -20,7 +20,7 @@ from numba import cuda, float32, int32
 from .moe_experts import as_device, check_array, load_pair_bf16, load_pair_f32, weight_view
 from .warp import INT32_MAX, ON_SIMULATOR, block_argmax, block_sum
 
-ROUTER_THREADS = 32 if ON_SIMULATOR else 256   # a power of two (block_argmax)
+ROUTER_THREADS = 8 if ON_SIMULATOR else 256   # a power of two (block_argmax)
 MAX_EXPERTS = 1024                             # shared-memory capacity of one block
 NEG_INF = -math.inf
 

@@ -17,7 +17,7 @@ from numba import cuda
 from .moe_experts import ExpertPlan, as_device, check_array, grouped_swiglu, output, silu, weight_view
 from .warp import ON_SIMULATOR
 
-SILU_MUL_THREADS = 32 if ON_SIMULATOR else 256
+SILU_MUL_THREADS = 8 if ON_SIMULATOR else 256
 
 
 @cuda.jit
