@@ -1,1 +1,18 @@
-"""The HDF5 trace format: schema, writer and lazy reader. Imports neither the engine nor the app."""
+"""The HDF5 trace format: schema, writer and lazy reader. Imports neither the engine nor the app.
+
+    with TraceWriter(path, mode="ddtree", ...) as w:      # traces.writer
+        w.write_step(record)                              # per step, flushed (SWMR: readable live)
+        w.finish(output_tokens, golden_tokens)
+    with open_trace(path) as r:                           # traces.reader, read-only
+        r.metadata, r.num_steps, r.step(i), r.column("tau"), r.summary(), r.refresh()
+
+docs/trace-format.md documents every attribute and dataset.
+"""
+from .reader import StepRecord, TraceReader, open_trace
+from .report import check, info_json, info_text
+from .schema import SCHEMA_VERSION, STEP_FIELDS, TraceDims, TraceError
+from .summary import TraceSummary, summarize
+from .writer import TraceWriter
+
+__all__ = ["SCHEMA_VERSION", "STEP_FIELDS", "StepRecord", "TraceDims", "TraceError", "TraceReader",
+           "TraceSummary", "TraceWriter", "check", "info_json", "info_text", "open_trace", "summarize"]

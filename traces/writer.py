@@ -1,0 +1,266 @@
+"""TraceWriter: records a run's metadata and one ``steps`` row per speculative step into an HDF5 file.
+
+The whole schema is created before the first step, then the file switches to SWMR mode
+(libver='latest', swmr_mode=True): a reader can follow the recording live, and after every step the file
+is flushed, so a crash or SIGKILL loses at most the step in flight. Each step is one row of the
+compound dataset ``steps`` in its own chunk, so a flushed step's bytes are never rewritten.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import h5py
+import numpy as np
+
+from .schema import (DERIVED_FIELDS, FIELDS_BY_NAME, FORMAT_NAME, SCHEMA_VERSION, STAGES, TARGET_TOPK,
+                     TraceDims, TraceError)
+
+MODES = ("ar", "ddtree")
+COMPRESSIONS = ("gzip", "lzf", None)
+
+
+def default_versions() -> dict[str, str]:
+    """Versions of what the trace format itself depends on; the engine adds its own (numba, ...)."""
+    return {"python": platform.python_version(), "numpy": np.__version__, "h5py": h5py.__version__,
+            "hdf5": h5py.version.hdf5_version}
+
+
+def _now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
+
+
+class TraceWriter:
+    """Write a trace to ``path``; use as a context manager, call ``write_step`` per step, then ``finish``.
+
+    Args:
+        path: the .h5 file to create. An existing file is a TraceError unless ``force``.
+        mode: "ar" (one token per step, a one-node tree: block_size 1, budget 0) or "ddtree".
+        model_config, decode_config: JSON-serialisable dicts (HF config; block_size, budget, T, ...).
+        backend, device: e.g. "cuda", "NVIDIA H200". seed: the run's seed.
+        prompt_tokens: int [P0], the prompt ids.
+        block_size: L+1. budget: B (non-root nodes). draft_topk: K. target_topk: T (8).
+        save_logits: also store float32 logits [steps, L+1, V] of the committed positions (small V only);
+            every record must then carry ``logits`` [tau, V].
+        vocab_size: V, required with save_logits.
+        versions: package versions, merged over ``default_versions()``.
+        compression: "gzip" (default), "lzf" or None.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, mode: str, model_config: Mapping[str, Any],
+                 decode_config: Mapping[str, Any], backend: str, device: str, seed: int,
+                 prompt_tokens: Sequence[int], block_size: int = 1, budget: int = 0, draft_topk: int = 0,
+                 target_topk: int = TARGET_TOPK, save_logits: bool = False, vocab_size: Optional[int] = None,
+                 versions: Optional[Mapping[str, str]] = None, compression: Optional[str] = "gzip",
+                 force: bool = False):
+        self.path = os.fspath(path)
+        if mode not in MODES:
+            raise TraceError(f"{self.path}: mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise TraceError(f"{self.path}: block_size must be an integer >= 1, got {block_size!r}")
+        if mode == "ar" and (block_size != 1 or budget != 0):
+            raise TraceError(f"{self.path}: an AR trace has block_size 1 and budget 0, got {block_size} and {budget}")
+        if compression not in COMPRESSIONS:
+            raise TraceError(f"{self.path}: compression must be one of {COMPRESSIONS}, got {compression!r}")
+        if save_logits and (not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1):
+            raise TraceError(f"{self.path}: save_logits needs vocab_size (a positive integer), got {vocab_size!r}")
+        if os.path.exists(self.path) and not force:
+            raise TraceError(f"{self.path}: file exists (pass force=True to overwrite it)")
+        self.dims = TraceDims(block_size - 1, draft_topk, budget, target_topk)
+        self.save_logits = bool(save_logits)
+        self.vocab_size = int(vocab_size) if vocab_size is not None else -1
+        self.num_steps = 0
+        self._row = self.dims.blank_row()
+        self._blank = self._row.copy()
+        self._fields = self.dims.fields()
+        self._expected_keys = {f.name for f in self._fields} - set(DERIVED_FIELDS)
+        # Not every run measures every stage (AR has no draft/build) or has a golden cache: NaN then.
+        self._optional_keys = {"cache_max_abs_diff"} | {f"time_{s}" for s in STAGES}
+        if not self.dims.has_draft:
+            self._optional_keys |= {"draft_ids", "draft_logprobs"}
+        self._last_write_time = math.nan
+        try:
+            self._file = h5py.File(self.path, "w" if force else "x", libver="latest")
+        except (OSError, ValueError) as e:
+            raise TraceError(f"{self.path}: cannot create trace file ({_first_line(e)})") from None
+        try:
+            self._create_schema(mode, model_config, decode_config, backend, device, seed, prompt_tokens,
+                                versions, compression)
+            self._file.swmr_mode = True
+            self._file.flush()
+        except TraceError:
+            self._file.close()
+            raise
+        except (OSError, ValueError, TypeError) as e:
+            self._file.close()
+            raise TraceError(f"{self.path}: cannot create the trace schema ({_first_line(e)})") from None
+
+    def _create_schema(self, mode, model_config, decode_config, backend, device, seed, prompt_tokens,
+                       versions, compression) -> None:
+        f, d = self._file, self.dims
+        try:
+            model_json = json.dumps(dict(model_config), sort_keys=True)
+            decode_json = json.dumps(dict(decode_config), sort_keys=True)
+            versions_json = json.dumps({**default_versions(), **dict(versions or {})}, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise TraceError(f"{self.path}: metadata is not JSON-serialisable ({_first_line(e)})") from None
+        # Every attribute exists before SWMR mode (no attribute may be created after it); finish() only
+        # modifies values.
+        attrs = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "status": "recording",
+                 "mode": mode, "backend": str(backend), "device": str(device), "seed": int(seed),
+                 "start_time": _now_iso(), "end_time": "", "model_config": model_json,
+                 "decode_config": decode_json, "versions": versions_json,
+                 "block_size": d.num_depths + 1, "num_depths": d.num_depths, "budget": d.budget,
+                 "draft_topk": d.draft_topk, "target_topk": d.target_topk, "vocab_size": self.vocab_size,
+                 "save_logits": self.save_logits, "compression": str(compression),
+                 "time_trace_write_last": math.nan}
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        prompt = np.asarray(prompt_tokens, dtype=np.int32).reshape(-1)
+        f.create_dataset("prompt_tokens", data=prompt, dtype="<i4")
+        # One row per chunk: a flush writes only the new step's chunk, never an earlier one again.
+        self._steps = f.create_dataset("steps", shape=(0,), maxshape=(None,), dtype=d.row_dtype(),
+                                       chunks=(1,), compression=compression)
+        self._logits = None
+        if self.save_logits:
+            self._logits = f.create_dataset("logits", shape=(0, d.path_width, self.vocab_size),
+                                            maxshape=(None, d.path_width, self.vocab_size), dtype="<f4",
+                                            chunks=(1, d.path_width, self.vocab_size), compression=compression,
+                                            fillvalue=np.nan)
+        for name in ("output_tokens", "golden_tokens"):
+            f.create_dataset(name, shape=(0,), maxshape=(None,), dtype="<i4", chunks=(1024,))
+        # Low-level handles for the hot path: h5py's high-level setitem costs ~0.4 ms per compound row.
+        self._row_mspace = h5py.h5s.create_simple((1,))
+        self._row_mtype = self._steps.id.get_type()
+
+    # -- per step -----------------------------------------------------------------------------------
+    def write_step(self, record: Mapping[str, Any]) -> None:
+        """Append one step record (docs/architecture.md "DDTree step record") and flush it to disk.
+
+        Variable-length fields are padded: node fields to B+1, path fields to L+1. ``num_nodes`` and
+        ``tau`` are taken from the lengths of tree_tokens and accepted_nodes (if the record also has
+        them they must agree). Raises TraceError on a missing/unknown field or a bad length.
+        """
+        start = time.perf_counter()
+        if self._file is None:
+            raise TraceError(f"{self.path}: write_step after the trace was closed")
+        row = self._row
+        row[...] = self._blank
+        self._fill_row(row, record)
+        index = self.num_steps
+        row["time_trace_write_prev"] = self._last_write_time
+        try:
+            self._steps.id.set_extent((index + 1,))
+            file_space = self._steps.id.get_space()
+            file_space.select_hyperslab((index,), (1,))
+            self._steps.id.write(self._row_mspace, file_space, row, self._row_mtype)
+            if self._logits is not None:
+                logits = np.full((1,) + self._logits.shape[1:], np.nan, dtype=np.float32)
+                logits[0, :self._tau] = self._logits_value
+                self._logits.resize(index + 1, axis=0)
+                self._logits[index] = logits[0]
+            self._file.flush()
+        except (OSError, ValueError) as e:
+            raise TraceError(f"{self.path}: writing step {index} failed ({_first_line(e)})") from None
+        self.num_steps = index + 1
+        self._last_write_time = time.perf_counter() - start
+
+    def _fill_row(self, row: np.ndarray, record: Mapping[str, Any]) -> None:
+        keys = set(record)
+        missing = self._expected_keys - self._optional_keys - keys
+        if missing:
+            raise TraceError(f"{self.path}: step {self.num_steps} record lacks {sorted(missing)}")
+        unknown = keys - self._expected_keys - {"num_nodes", "tau", "logits"}
+        if unknown:
+            raise TraceError(f"{self.path}: step {self.num_steps} record has unknown fields {sorted(unknown)}")
+        num_nodes = np.shape(record["tree_tokens"])[0] if np.ndim(record["tree_tokens"]) == 1 else -1
+        tau = np.shape(record["accepted_nodes"])[0] if np.ndim(record["accepted_nodes"]) == 1 else -1
+        d = self.dims
+        if not 1 <= num_nodes <= d.node_width:
+            raise TraceError(f"{self.path}: step {self.num_steps}: tree_tokens must be [N+1] with "
+                             f"1 <= N+1 <= {d.node_width} (budget + 1), got shape {np.shape(record['tree_tokens'])}")
+        if not 1 <= tau <= min(d.path_width, num_nodes):
+            raise TraceError(f"{self.path}: step {self.num_steps}: accepted_nodes must be [tau] with 1 <= tau <= "
+                             f"min(block_size, N+1) = {min(d.path_width, num_nodes)}, got shape {np.shape(record['accepted_nodes'])}")
+        for name, length in (("num_nodes", num_nodes), ("tau", tau)):
+            if name in record and int(record[name]) != length:
+                raise TraceError(f"{self.path}: step {self.num_steps}: {name}={record[name]} disagrees with "
+                                 f"the array lengths ({length})")
+        row["num_nodes"] = num_nodes
+        row["tau"] = tau
+        lengths = {"node": (num_nodes,), "path": (tau,), "topk": (num_nodes, d.target_topk),
+                   "draft": (d.num_depths, d.draft_topk), "scalar": ()}
+        for name in keys & self._expected_keys:
+            field = FIELDS_BY_NAME[name]
+            value = np.asarray(record[name])
+            want = lengths[field.kind]
+            if field.kind == "draft" and not d.has_draft:
+                if value.size:
+                    raise TraceError(f"{self.path}: step {self.num_steps}: {name} must be empty in a trace "
+                                     f"with L*K == 0, got shape {value.shape}")
+                continue
+            if value.shape != want:
+                raise TraceError(f"{self.path}: step {self.num_steps}: {name} must have shape {list(want)}, "
+                                 f"got {list(value.shape)}")
+            if field.kind == "scalar":
+                row[name] = value
+            else:
+                row[name][0][tuple(slice(0, n) for n in want)] = value
+        self._tau = tau
+        if self.save_logits:
+            logits = np.asarray(record.get("logits"), dtype=np.float32) if "logits" in record else None
+            if logits is None or logits.shape != (tau, self.vocab_size):
+                got = None if logits is None else list(logits.shape)
+                raise TraceError(f"{self.path}: step {self.num_steps}: save_logits needs logits [tau, V] = "
+                                 f"{[tau, self.vocab_size]}, got {got}")
+            self._logits_value = logits
+
+    # -- end of run ---------------------------------------------------------------------------------
+    def finish(self, output_tokens: Sequence[int], golden_tokens: Optional[Sequence[int]] = None) -> None:
+        """Record completion: output and golden tokens, end time, status "complete"; then close the file."""
+        if self._file is None:
+            raise TraceError(f"{self.path}: finish after the trace was closed")
+        try:
+            for name, tokens in (("output_tokens", output_tokens), ("golden_tokens", golden_tokens)):
+                if tokens is None:
+                    continue
+                values = np.asarray(tokens, dtype=np.int32).reshape(-1)
+                dataset = self._file[name]
+                dataset.resize(values.shape)
+                dataset[...] = values
+            attrs = self._file.attrs
+            attrs.modify("time_trace_write_last", self._last_write_time)
+            attrs.modify("end_time", _now_iso())
+            attrs.modify("status", "complete")
+            self._file.flush()
+        except (OSError, ValueError) as e:
+            raise TraceError(f"{self.path}: finishing the trace failed ({_first_line(e)})") from None
+        self.close()
+
+    def close(self, status: Optional[str] = None) -> None:
+        """Close without finishing; the status stays "recording" unless given (e.g. "interrupted")."""
+        if self._file is None:
+            return
+        try:
+            if status is not None:
+                self._file.attrs.modify("status", status)
+                self._file.attrs.modify("end_time", _now_iso())
+            self._file.close()
+        finally:
+            self._file = None
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close("interrupted" if exc_type is not None else None)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
