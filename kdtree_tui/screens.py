@@ -22,7 +22,7 @@ HELP_ROWS = (
     ("?", "this help"),
     ("q", "quit"),
 )
-LEGEND = ("step list: * bookmark, P prefix length, t tau, flags x divergence, d |dlogit|, t low tau, "
+LEGEND = ("step list: * bookmark, P prefix length, t tau, flags x divergence, d |dlogit|, s short (low tau), "
           "c cache mismatch; tree: o accepted, . rejected, -> the target's choice")
 
 

@@ -19,7 +19,7 @@ from textual.strip import Strip
 from ..palette import palette
 from ..session import CACHE, DIVERGED, DLOGIT, LOW_TAU, TraceSession
 
-FLAG_MARKS = ((DIVERGED, "x", "bad"), (DLOGIT, "d", "warn"), (LOW_TAU, "t", "muted"), (CACHE, "c", "bad"))
+FLAG_MARKS = ((DIVERGED, "x", "bad"), (DLOGIT, "d", "warn"), (LOW_TAU, "s", "warn"), (CACHE, "c", "bad"))
 
 
 class StepList(ScrollView, can_focus=True):

@@ -1,0 +1,73 @@
+"""Write SVG screenshots of the main screens (for the README): `python -m kdtree_tui.screenshots DIR`.
+
+Uses synthetic traces, so the pictures are reproducible; the traces' own write times read as 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+from .app import TraceApp
+from .synthetic import write_synthetic_trace
+
+SIZE = (110, 32)
+# (file name, keys pressed after going to the step, step)
+SHOTS = (("tree.svg", (), 7), ("logits.svg", ("2",), 7), ("cache.svg", ("3",), 21), ("run.svg", ("4",), 20),
+         ("compare.svg", ("5",), 10), ("help.svg", ("question_mark",), 0), ("light.svg", ("d",), 12))
+
+
+class _StableReader:
+    def __init__(self, reader):
+        self._reader = reader
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+    def column(self, name):
+        values = self._reader.column(name)
+        return np.zeros_like(values) if name == "time_trace_write" else values
+
+
+def _opener(path):
+    from traces.reader import open_trace
+
+    return _StableReader(open_trace(path))
+
+
+async def _shoot(app: TraceApp, keys, step: int, out: str) -> None:
+    async with app.run_test(size=SIZE) as pilot:
+        for _ in range(3):
+            await pilot.pause()
+            await app.workers.wait_for_complete()
+        app.go_to(step)
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        if keys:
+            await pilot.press(*keys)
+        for _ in range(3):
+            await pilot.pause()
+            await app.workers.wait_for_complete()
+        app.save_screenshot(os.path.basename(out), path=os.path.dirname(out))
+
+
+def write_screenshots(directory: str) -> list[str]:
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    with tempfile.TemporaryDirectory() as tmp:
+        a = write_synthetic_trace(os.path.join(tmp, "budget16.h5"), 400)
+        b = write_synthetic_trace(os.path.join(tmp, "budget4.h5"), 400, budget=4, seed=3)
+        for name, keys, step in SHOTS:
+            app = TraceApp(a, compare=b, opener=_opener)
+            out = os.path.join(directory, name)
+            asyncio.run(_shoot(app, keys, step, out))
+            written.append(out)
+    return written
+
+
+if __name__ == "__main__":
+    for path in write_screenshots(sys.argv[1] if len(sys.argv) > 1 else "docs/screenshots"):
+        print(path)

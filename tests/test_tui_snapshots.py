@@ -1,0 +1,58 @@
+"""SVG snapshots of the main screens at 100x30 (pytest-textual-snapshot; update with --snapshot-update).
+
+The traces are synthetic and seeded; the only measured numbers in a trace (its own write times) are
+zeroed by StableReader, so the screens are byte-for-byte reproducible.
+"""
+from __future__ import annotations
+
+import pytest
+
+from kdtree_tui.app import TraceApp
+from test_tui_helpers import settle, small_trace, stable_opener
+
+SIZE = (100, 30)
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("snap")
+    return (small_trace(directory, "budget16.h5", steps=80),
+            small_trace(directory, "budget4.h5", steps=80, budget=4, seed=3))
+
+
+def make_run_before(*keys, step=None):
+    async def run_before(pilot):
+        app = pilot.app
+        await settle(app, pilot)
+        if step is not None:
+            app.go_to(step)
+            await settle(app, pilot)
+        if keys:
+            await pilot.press(*keys)
+            await settle(app, pilot)
+    return run_before
+
+
+def test_snapshot_tree_view(snap_compare, traces):
+    app = TraceApp(traces[0], opener=stable_opener)
+    assert snap_compare(app, terminal_size=SIZE, run_before=make_run_before(step=7))
+
+
+def test_snapshot_logits_view(snap_compare, traces):
+    app = TraceApp(traces[0], opener=stable_opener)
+    assert snap_compare(app, terminal_size=SIZE, run_before=make_run_before("2", step=7))
+
+
+def test_snapshot_run_view(snap_compare, traces):
+    app = TraceApp(traces[0], opener=stable_opener)
+    assert snap_compare(app, terminal_size=SIZE, run_before=make_run_before("4", step=20))
+
+
+def test_snapshot_compare_view(snap_compare, traces):
+    app = TraceApp(traces[0], compare=traces[1], opener=stable_opener)
+    assert snap_compare(app, terminal_size=SIZE, run_before=make_run_before("5", step=10))
+
+
+def test_snapshot_light_theme_cache_view(snap_compare, traces):
+    app = TraceApp(traces[0], opener=stable_opener)
+    assert snap_compare(app, terminal_size=SIZE, run_before=make_run_before("3", "d", step=21))
