@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
+import time
 
 
 class UsageError(Exception):
@@ -25,6 +29,215 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _select_backend(name: str) -> str:
+    """Before numba is imported: "auto" without a visible GPU turns the CUDA simulator on (DESIGN: the best
+    backend available is a GPU, else the simulator); "sim" always does."""
+    if name == "sim" or (name == "auto" and not _gpu_visible()):
+        os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    return name
+
+
+def _gpu_visible() -> bool:
+    return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
+
+
+def _parse_prompt(args: argparse.Namespace) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+        return ids
+    from engine import tokenizer
+    return tokenizer.encode(args.prompt)
+
+
+class _Progress:
+    """A one-line progress bar on stderr when it is a terminal (nothing otherwise)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.steps, self.enabled = total, 0, 0, enabled
+        self.started = time.perf_counter()
+
+    def step(self, committed: int) -> None:
+        self.done, self.steps = min(self.total, self.done + committed), self.steps + 1
+        if self.enabled:
+            width = 30
+            filled = width * self.done // max(1, self.total)
+            rate = self.done / max(1e-9, time.perf_counter() - self.started)
+            print(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} tokens, "
+                  f"{self.steps} steps, {rate:.1f} tok/s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr)
+
+
+def record_trace(model: str, out: str, *, prompt_ids: list[int], max_new_tokens: int, mode: str, drafter,
+                 block_size: int, budget: int, topk, temperature: float, seed: int, backend: str,
+                 force: bool = False, save_logits: bool = False, progress: bool = False,
+                 weight_dtype: str = "float32") -> dict:
+    """Load the model, run the golden and the engine, write every step to ``out``; returns a summary dict.
+    Raises UsageError for anything the user can fix."""
+    import numba
+    import numpy as np
+
+    from engine import api
+    from engine.checkpoint import CheckpointError
+    from engine.config import ConfigError
+    from traces import TraceError, TraceWriter
+
+    if os.path.exists(out) and not force:
+        raise UsageError(f"{out} exists (pass --force to overwrite it)")
+    if mode == "ar" and drafter is not None:
+        raise UsageError("--drafter is only used with --mode ddtree")
+    if mode == "ddtree" and drafter is None:
+        drafter = "oracle"
+    try:
+        engine = api.load(model, backend=backend, seed=seed, weight_dtype=weight_dtype)
+        cfg = engine.cfg
+        if save_logits and cfg.vocab_size > 4096:
+            raise UsageError(f"--save-logits stores full logits: only for vocabularies up to 4096 (this one has "
+                             f"{cfg.vocab_size})")
+        topk_used = min(budget, cfg.vocab_size) if topk is None else topk
+        from engine.decode import check_generate_args
+        check_generate_args(cfg, np.asarray(prompt_ids, dtype=np.int64) if prompt_ids else np.zeros(0, np.int64),
+                            max_new_tokens, mode, block_size, budget, topk_used, temperature, seed)
+        if mode == "ddtree":
+            from engine.drafters import parse_drafter
+            parse_drafter(drafter)
+        reach = max_new_tokens + (block_size if mode == "ddtree" else 0)
+        golden = engine.golden(prompt_ids, min(reach, cfg.max_position_embeddings - len(prompt_ids)),
+                               temperature, seed)
+    except (ValueError, ConfigError, CheckpointError) as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    except api.BackendUnavailable as e:
+        raise UsageError(str(e)) from None
+    device = _device_name(engine.backend)
+    decode_config = dict(mode=mode, drafter=drafter, block_size=block_size if mode == "ddtree" else 1,
+                         budget=budget if mode == "ddtree" else 0, topk=topk_used, temperature=temperature,
+                         seed=seed, max_new_tokens=max_new_tokens, weight_dtype=weight_dtype)
+    versions = {"kdtree": _version(), "numba": numba.__version__}
+    try:
+        import numba_cuda  # noqa: F401
+        versions["numba-cuda"] = getattr(numba_cuda, "__version__", "?")
+    except ImportError:
+        pass
+    progress_bar = _Progress(max_new_tokens, progress)
+    progress_bar.step(1)  # the prefill's token
+    try:
+        writer = TraceWriter(out, mode=mode, model_config={**cfg.to_hf_dict(), "name": model},
+                             decode_config=decode_config, backend=engine.backend, device=device, seed=seed,
+                             prompt_tokens=prompt_ids, block_size=decode_config["block_size"],
+                             budget=decode_config["budget"], draft_topk=topk_used if mode == "ddtree" else 0,
+                             save_logits=save_logits, vocab_size=cfg.vocab_size, versions=versions, force=force)
+    except TraceError as e:
+        raise UsageError(str(e)) from None
+
+    def on_step(record: dict) -> None:
+        writer.write_step(record)
+        progress_bar.step(len(record["committed_tokens"]))
+
+    try:
+        result = engine.generate(prompt_ids, max_new_tokens, mode=mode, drafter=drafter if mode == "ddtree" else None,
+                                 block_size=block_size if mode == "ddtree" else 8, budget=budget, topk=topk,
+                                 temperature=temperature, seed=seed, golden=golden, on_step=on_step)
+        writer.finish(result.tokens, np.asarray(golden.tokens)[:max_new_tokens])
+    except BaseException:
+        writer.close(status="failed")
+        progress_bar.close()
+        raise
+    writer.close()
+    progress_bar.close()
+    return dict(out=out, backend=engine.backend, device=device, steps=result.steps, mean_tau=result.mean_tau,
+                golden_match=result.golden_match, tokens=len(result.tokens), elapsed=result.elapsed)
+
+
+def _device_name(backend: str) -> str:
+    if backend == "cuda":
+        from numba import cuda
+        name = cuda.get_current_device().name
+        return name.decode() if isinstance(name, bytes) else str(name)
+    return {"sim": "CUDA simulator (CPU)", "reference": "CPU (numpy float64)"}.get(backend, backend)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("kdtree")
+    except Exception:  # not installed as a distribution (running from a checkout)
+        return "dev"
+
+
+def _cmd_record(args: argparse.Namespace) -> int:
+    _select_backend(args.backend)
+    summary = record_trace(args.model, args.out, prompt_ids=_parse_prompt(args), max_new_tokens=args.max_new_tokens,
+                           mode=args.mode, drafter=args.drafter, block_size=args.block_size, budget=args.budget,
+                           topk=args.topk, temperature=args.temperature, seed=args.seed, backend=args.backend,
+                           force=args.force, save_logits=args.save_logits, progress=sys.stderr.isatty(),
+                           weight_dtype=args.weight_dtype)
+    match = {True: "equal to the golden", False: "DIVERGES from the golden", None: "no golden"}[summary["golden_match"]]
+    print(f"recorded {summary['out']}: {summary['tokens']} tokens in {summary['steps']} steps on "
+          f"{summary['backend']} ({summary['device']}), mean tau {summary['mean_tau']:.2f}, {match}, "
+          f"{summary['elapsed']:.1f} s")
+    return 0
+
+
+def _open_trace(path: str):
+    from traces import TraceError, open_trace
+    try:
+        return open_trace(path)
+    except TraceError as e:
+        raise UsageError(str(e)) from None
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from traces import TraceError, info_json, info_text
+    with _open_trace(args.trace) as reader:
+        try:
+            print(json.dumps(info_json(reader), indent=2) if args.json else info_text(reader))
+        except TraceError as e:
+            raise UsageError(str(e)) from None
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from traces import TraceError, check
+    with _open_trace(args.trace) as reader:
+        try:
+            code, message = check(reader)
+        except TraceError as e:
+            raise UsageError(str(e)) from None
+    print(f"{args.trace}: {message}")
+    return code
+
+
+def _cmd_tui(args: argparse.Namespace) -> int:
+    from kdtree_tui.app import run_app
+    for path in (args.trace, args.compare):
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"{path}: no such file")
+    return run_app(args.trace, compare=args.compare, follow=args.follow)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    backend = _select_backend("auto")
+    out = args.out or os.path.join(tempfile.mkdtemp(prefix="kdtree-demo-"), "demo.h5")
+    print(f"recording a DDTree trace of `tiny` (noisy:0.7 drafter, budget 16) to {out} ...", file=sys.stderr)
+    summary = record_trace("tiny", out, prompt_ids=_parse_prompt(argparse.Namespace(prompt_ids=None,
+                                                                                    prompt="Hello, tree!")),
+                           max_new_tokens=args.max_new_tokens, mode="ddtree", drafter="noisy:0.7", block_size=8,
+                           budget=16, topk=None, temperature=0.0, seed=0, backend=backend, force=True,
+                           progress=sys.stderr.isatty())
+    print(f"recorded {summary['steps']} steps on {summary['backend']} ({summary['device']}), mean tau "
+          f"{summary['mean_tau']:.2f}", file=sys.stderr)
+    if args.no_tui:
+        print(out)
+        return 0
+    from kdtree_tui.app import run_app
+    return run_app(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kdtree",
@@ -35,6 +248,49 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print a model's configuration (preset name or model directory) as JSON")
     p.add_argument("model", help="preset (tiny, small, k2-mini) or a directory with config.json")
     p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("record", help="decode with the engine and record every step to an HDF5 trace")
+    p.add_argument("--model", default="tiny", help="preset (tiny, small, k2-mini) or a model directory")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="The tree", help="prompt text (byte-level tokenizer)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--mode", choices=("ar", "ddtree"), default="ddtree")
+    p.add_argument("--drafter", help="oracle | noisy:P (ddtree only; default oracle)")
+    p.add_argument("--block-size", type=int, default=8, help="bonus token + drafted depths L (default 8)")
+    p.add_argument("--budget", type=int, default=7, help="tree node budget B (default 7)")
+    p.add_argument("--topk", type=int, help="drafter top-K per depth (default min(B, V))")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=("auto", "cuda", "sim", "reference"), default="auto")
+    p.add_argument("--weight-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="device weight storage (bf16: half the memory, fp32 arithmetic)")
+    p.add_argument("--out", required=True, help="trace file to write (.h5)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing trace")
+    p.add_argument("--save-logits", action="store_true", help="store full logits of committed positions (small V)")
+    p.set_defaults(func=_cmd_record)
+
+    p = sub.add_parser("info", help="summarise a trace")
+    p.add_argument("trace")
+    p.add_argument("--json", action="store_true", help="machine-readable summary")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("check", help="exit 0 when a trace is intact and equals the golden, 1 when it diverges, "
+                                     "2 when unreadable")
+    p.add_argument("trace")
+    p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("tui", help="replay a trace step by step in the terminal debugger")
+    p.add_argument("trace")
+    p.add_argument("--compare", metavar="OTHER", help="a second trace of the same prompt, side by side")
+    p.add_argument("--follow", action="store_true", help="follow a trace that is still being recorded")
+    p.set_defaults(func=_cmd_tui)
+
+    p = sub.add_parser("demo", help="record a short DDTree trace of `tiny` on the best backend and open it")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--out", help="where to write the trace (default: a temporary directory)")
+    p.add_argument("--no-tui", action="store_true", help="record only; print the trace path")
+    p.set_defaults(func=_cmd_demo)
     return parser
 
 
