@@ -24,7 +24,8 @@ def make_run(seed, num_steps, block_size, budget, draft_topk, vocab=64, prompt_l
              logits=False):
     """Consistent random DDTree (or AR when block_size == 1) records.
 
-    Returns (records, output_tokens, golden_tokens). Trees: every node's parent is an earlier node of
+    Returns (records, output_tokens, golden_tokens); as the engine's, the output is the prefill's token
+    (step 0's root) followed by every step's committed tokens. Trees: every node's parent is an earlier node of
     depth < L, its token the drafter's token at (depth, rank); the accepted path is a random root-down
     chain; committed = path tokens after the root + bonus. With diverge_at, the golden's first token at
     that step differs from the committed one.
@@ -32,7 +33,7 @@ def make_run(seed, num_steps, block_size, budget, draft_topk, vocab=64, prompt_l
     rng = np.random.default_rng(seed)
     L, K, B = block_size - 1, draft_topk, budget
     prefix, root = prompt_len, int(rng.integers(vocab))
-    records, output, golden_out = [], [], []
+    records, output, golden_out = [], [root], [root]
     for step in range(num_steps):
         draft_ids = np.array([rng.permutation(vocab)[:K] for _ in range(L)], dtype=np.int32).reshape(L, K)
         draft_lp = -np.sort(rng.exponential(size=(L, K)), axis=1).astype(np.float32)
@@ -221,12 +222,22 @@ def test_check_and_reports(tmp_path):
         assert r.summary().first_divergence_step == 6 and not r.summary().golden_match
         assert "DIVERGES at step 6" in info_text(r)
 
-    wrong_output = tmp_path / "wrong_output.h5"
+    # The last step may commit past max_new_tokens: an output cut inside the last step's tokens is fine.
     records, output, golden = make_run(4, 10, 8, 7, 7)
-    write_run(wrong_output, records, output[:-1], golden, block_size=8, budget=7, draft_topk=7)
-    with open_trace(wrong_output) as r:
-        code, message = check(r)
-        assert code == 1 and "recorded output" in message, message
+    while len(records[-1]["accepted_nodes"]) < 2:
+        records, output, golden = make_run(int(records[0]["root_token"]) + 100, 10, 8, 7, 7)
+    cut = tmp_path / "cut.h5"
+    write_run(cut, records, output[:-1], golden[:-1], block_size=8, budget=7, draft_topk=7)
+    with open_trace(cut) as r:
+        assert check(r)[0] == 0, check(r)
+    last_tau = len(records[-1]["accepted_nodes"])
+    for name, wrong in [("short", output[:-last_tau]), ("changed", output[:3] + [output[3] + 1] + output[4:]),
+                        ("long", output + [1])]:
+        wrong_output = tmp_path / f"wrong_output_{name}.h5"
+        write_run(wrong_output, records, wrong, golden, block_size=8, budget=7, draft_topk=7)
+        with open_trace(wrong_output) as r:
+            code, message = check(r)
+            assert code == 1 and "differs from the steps' tokens" in message, (name, message)
 
     broken_path = tmp_path / "broken_path.h5"
     records[3]["committed_tokens"] = records[3]["committed_tokens"][::-1].copy() + 1

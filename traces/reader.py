@@ -74,6 +74,12 @@ class TraceReader:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        self._file = None
+        self.num_steps = 0
+        self._attach()
+
+    def _attach(self) -> None:
+        """(Re)open the file and read its metadata, dimensions and step count."""
         self._file = _open_file(self.path)
         try:
             self.metadata = self._read_metadata()
@@ -84,13 +90,12 @@ class TraceReader:
             if missing:
                 raise TraceError(f"{self.path}: dataset 'steps' lacks fields {missing}")
             self._logits = self._dataset("logits") if self.metadata["save_logits"] else None
-            self.num_steps = 0
-            self.refresh()
+            self.num_steps = self._count_steps()
         except TraceError:
-            self._file.close()
+            self.close()
             raise
         except (OSError, RuntimeError, KeyError, ValueError, TypeError) as e:
-            self._file.close()
+            self.close()
             raise TraceError(f"{self.path}: damaged trace ({_first_line(e)})") from None
 
     # -- opening --------------------------------------------------------------------------------------
@@ -106,10 +111,7 @@ class TraceReader:
             raise TraceError(f"{self.path}: invalid schema_version {version}")
         meta: dict[str, Any] = {}
         for key, value in attrs.items():
-            if isinstance(value, bytes):
-                value = value.decode("utf-8", "replace")
-            elif isinstance(value, np.generic):
-                value = value.item()
+            value = _attr_value(value)
             meta[key] = json.loads(value) if key in _JSON_ATTRS else value
         meta["prompt_tokens"] = self._dataset("prompt_tokens")[...].astype(np.int64)
         return meta
@@ -135,26 +137,25 @@ class TraceReader:
 
     # -- live following -------------------------------------------------------------------------------
     def refresh(self) -> int:
-        """Re-read the step count (a file still being written grows) and the status; return the count."""
-        try:
-            if self._file.swmr_mode:
-                for dataset in (self._steps, self._logits, self._file["output_tokens"], self._file["golden_tokens"]):
-                    if dataset is not None:
-                        dataset.refresh()
-            count = self._steps.shape[0]
-            if self._logits is not None:
-                count = min(count, self._logits.shape[0])
-            # A row whose extent is on disk but whose data is not yet has HDF5's fill value, tau 0.
-            while count and int(self._read(self._steps, count - 1, "tau")) == 0:
-                count -= 1
-            for key in ("status", "end_time", "time_trace_write_last"):
-                value = self._file.attrs[key]
-                self.metadata[key] = value.item() if isinstance(value, np.generic) else value
-        except TraceError:
-            raise
-        except (OSError, KeyError, RuntimeError, ValueError) as e:
-            raise TraceError(f"{self.path}: damaged trace ({_first_line(e)})") from None
-        self.num_steps = count
+        """Re-read a trace still being recorded (more steps, finished status); return the step count.
+
+        A live (SWMR) file is reopened: HDF5 offers h5py no way to refresh the root group's attributes
+        (status, end time), and reopening costs about a millisecond. A closed file does not change.
+        """
+        if self._file is None:
+            raise TraceError(f"{self.path}: refresh after the trace was closed")
+        if self._file.swmr_mode:
+            self.close()
+            self._attach()
+        return self.num_steps
+
+    def _count_steps(self) -> int:
+        count = self._steps.shape[0]
+        if self._logits is not None:
+            count = min(count, self._logits.shape[0])
+        # A row whose extent reached the disk before its data did holds HDF5's fill value: tau 0.
+        while count and int(self._read(self._steps, count - 1, "tau")) == 0:
+            count -= 1
         return count
 
     @property
@@ -275,6 +276,13 @@ def _open_file(path: str) -> h5py.File:
         return h5py.File(path, "r", libver="latest", swmr=True, locking=False)
     except (OSError, RuntimeError, ValueError) as e:
         raise TraceError(f"{path}: cannot open as HDF5, damaged or truncated? ({_first_line(e)})") from None
+
+
+def _attr_value(value: Any) -> Any:
+    """Attribute value as a plain Python value (fixed-width byte strings decoded)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def _first_line(error: BaseException) -> str:

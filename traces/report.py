@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from .reader import TraceReader
+from .summary import generated_tokens
 
 
 def _fmt(x: float, spec: str = ".3g") -> str:
@@ -71,7 +72,8 @@ def info_json(reader: TraceReader) -> dict[str, Any]:
 def check(reader: TraceReader) -> tuple[int, str]:
     """(0, message) when the trace is complete, internally consistent and equal to the golden; else (1, why).
 
-    Consistency: the recorded output equals the concatenation of the steps' committed tokens; each step
+    Consistency: the recorded output is the first token (step 0's root, from the prefill) followed by the
+    steps' committed tokens, cut inside the last step (it may overshoot max_new_tokens); each step
     commits the tokens of its accepted nodes after the root, then its bonus token; the next step starts
     at prefix_len + tau with that bonus as its root. Damage raises TraceError (the caller exits 2).
     """
@@ -94,12 +96,15 @@ def check(reader: TraceReader) -> tuple[int, str]:
         if i + 1 < n and (prefix[i + 1] != prefix[i] + t or root[i + 1] != bonus[i]):
             return 1, f"step {i + 1}: does not continue step {i} (prefix_len {prefix[i + 1]} vs {prefix[i] + t}, " \
                       f"root {root[i + 1]} vs bonus {bonus[i]})"
-    valid = np.arange(committed.shape[1])[None, :] < tau[:, None]
-    concatenated = committed[valid].astype(np.int64)
     output = reader.output_tokens
-    if not np.array_equal(output, concatenated):
-        return 1, (f"recorded output ({len(output)} tokens) differs from the steps' committed tokens "
-                   f"({len(concatenated)} tokens)")
+    if n:
+        # The output is the prefill's token (step 0's root) then every step's committed tokens; the last
+        # step may commit past max_new_tokens, so the output ends somewhere inside the last step's tokens.
+        generated = generated_tokens(root, tau, committed)
+        shortest = len(generated) - int(tau[-1]) + 1
+        if not shortest <= len(output) <= len(generated) or not np.array_equal(output, generated[:len(output)]):
+            return 1, (f"recorded output ({len(output)} tokens) differs from the steps' tokens ({len(generated)} "
+                       f"tokens: the first token, then each step's committed tokens)")
     s = reader.summary()
     if s.first_divergence_step is not None:
         i = s.first_divergence_step

@@ -24,7 +24,8 @@ class TraceSummary:
     output equals the recorded golden; first_divergence_step: first step whose committed tokens differ
     from its golden tokens, or None; max_logit_diff (NaN if never measured) at max_logit_diff_at
     (step, position j within the step's committed tokens) or None; max_cache_diff (NaN if never measured);
-    output_tokens / golden_tokens: the recorded ones of a finished trace, else the per-step concatenation;
+    output_tokens / golden_tokens: the recorded ones of a finished trace, else the first token (step 0's
+    root, from the prefill) followed by the steps' committed / golden tokens;
     stage_time_totals {stage: seconds} for draft, build, verify, accept, compact, trace_write (NaN ignored).
     """
 
@@ -42,14 +43,27 @@ class TraceSummary:
     stage_time_totals: dict[str, float]
 
 
-def summarize(num_depths: int, tau: np.ndarray, committed: np.ndarray, golden: np.ndarray,
+def generated_tokens(root: np.ndarray, tau: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The first token (step 0's root, from the prefill), then each step's first tau entries of ``tokens``.
+
+    root, tau: int [S]; tokens: int [S, L+1] padded. Returns int64 [1 + sum(tau)] (empty when S == 0).
+    """
+    tau = np.asarray(tau, dtype=np.int64)
+    if tau.shape[0] == 0:
+        return np.zeros(0, np.int64)
+    valid = np.arange(np.shape(tokens)[1])[None, :] < tau[:, None]
+    return np.concatenate([np.asarray(root)[:1], np.asarray(tokens)[valid]]).astype(np.int64)
+
+
+def summarize(num_depths: int, root: np.ndarray, tau: np.ndarray, committed: np.ndarray, golden: np.ndarray,
               logit_diff: np.ndarray, cache_diff: np.ndarray, times: dict[str, np.ndarray],
               output_tokens: Optional[np.ndarray] = None,
               golden_output: Optional[np.ndarray] = None) -> TraceSummary:
     """Summary from padded per-step arrays.
 
     Args:
-        num_depths: L. tau: int [S]. committed, golden: int [S, L+1] padded with -1.
+        num_depths: L. root: int [S], each step's root token. tau: int [S].
+        committed, golden: int [S, L+1] padded with -1.
         logit_diff: float [S, L+1] padded with NaN. cache_diff: float [S].
         times: {column name: float [S]}. output_tokens / golden_output: recorded by finish (None while
             recording).
@@ -62,11 +76,10 @@ def summarize(num_depths: int, tau: np.ndarray, committed: np.ndarray, golden: n
                  for d in range(1, num_depths + 1)}
     differs = ((np.asarray(committed) != np.asarray(golden)) & valid).any(axis=1)
     first_divergence = int(np.argmax(differs)) if differs.any() else None
-    committed_flat = np.asarray(committed)[valid].astype(np.int64)    # row-major: step order, then position
-    golden_flat = np.asarray(golden)[valid].astype(np.int64)
     finished = output_tokens is not None
-    output = np.asarray(output_tokens, dtype=np.int64) if finished else committed_flat
-    golden_out = np.asarray(golden_output, dtype=np.int64) if golden_output is not None else golden_flat
+    output = np.asarray(output_tokens, dtype=np.int64) if finished else generated_tokens(root, tau, committed)
+    golden_out = np.asarray(golden_output, dtype=np.int64) if golden_output is not None else \
+        generated_tokens(root, tau, golden)
     golden_match = first_divergence is None and (not finished or np.array_equal(output, golden_out))
 
     diffs = np.where(valid, np.asarray(logit_diff, dtype=np.float64), np.nan)
@@ -91,7 +104,7 @@ def summarize_trace(reader) -> TraceSummary:
     """Summary of the steps a TraceReader currently sees."""
     recorded_golden = reader.golden_tokens if reader.is_complete else None
     return summarize(
-        reader.dims.num_depths, reader.column("tau"), reader.field("committed_tokens"),
+        reader.dims.num_depths, reader.column("root_token"), reader.column("tau"), reader.field("committed_tokens"),
         reader.field("golden_tokens"), reader.field("logit_max_abs_diff"), reader.column("cache_max_abs_diff"),
         {name: reader.column(name) for name in TIME_COLUMNS},
         output_tokens=reader.output_tokens if reader.is_complete else None,

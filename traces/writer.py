@@ -111,9 +111,9 @@ class TraceWriter:
             raise TraceError(f"{self.path}: metadata is not JSON-serialisable ({_first_line(e)})") from None
         # Every attribute exists before SWMR mode (no attribute may be created after it); finish() only
         # modifies values.
-        attrs = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "status": "recording",
+        attrs = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "status": _fixed("recording"),
                  "mode": mode, "backend": str(backend), "device": str(device), "seed": int(seed),
-                 "start_time": _now_iso(), "end_time": "", "model_config": model_json,
+                 "start_time": _now_iso(), "end_time": _fixed(""), "model_config": model_json,
                  "decode_config": decode_json, "versions": versions_json,
                  "block_size": d.num_depths + 1, "num_depths": d.num_depths, "budget": d.budget,
                  "draft_topk": d.draft_topk, "target_topk": d.target_topk, "vocab_size": self.vocab_size,
@@ -235,8 +235,8 @@ class TraceWriter:
                 dataset[...] = values
             attrs = self._file.attrs
             attrs.modify("time_trace_write_last", self._last_write_time)
-            attrs.modify("end_time", _now_iso())
-            attrs.modify("status", "complete")
+            attrs.modify("end_time", _fixed(_now_iso()))
+            attrs.modify("status", _fixed("complete"))
             self._file.flush()
         except (OSError, ValueError) as e:
             raise TraceError(f"{self.path}: finishing the trace failed ({_first_line(e)})") from None
@@ -248,8 +248,8 @@ class TraceWriter:
             return
         try:
             if status is not None:
-                self._file.attrs.modify("status", status)
-                self._file.attrs.modify("end_time", _now_iso())
+                self._file.attrs.modify("status", _fixed(status))
+                self._file.attrs.modify("end_time", _fixed(_now_iso()))
             self._file.close()
         finally:
             self._file = None
@@ -259,6 +259,14 @@ class TraceWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close("interrupted" if exc_type is not None else None)
+
+
+def _fixed(text: str) -> np.bytes_:
+    """A fixed-width (32-byte) string for the attributes finish() changes in SWMR mode: a variable-length
+    string lives in the global heap, which a live SWMR reader may hold stale ("bad heap pointer")."""
+    if len(text.encode()) > 32:
+        raise TraceError(f"attribute value {text!r} is longer than 32 bytes")
+    return np.array(text.encode(), dtype="S32")[()]
 
 
 def _first_line(error: BaseException) -> str:
