@@ -76,13 +76,16 @@ class TraceReader:
         self.path = os.fspath(path)
         self._file = None
         self.num_steps = 0
+        self.metadata: dict[str, Any] = {}
         self._attach()
 
     def _attach(self) -> None:
         """(Re)open the file and read its metadata, dimensions and step count."""
         self._file = _open_file(self.path)
         try:
-            self.metadata = self._read_metadata()
+            metadata = self._read_metadata()
+            self.metadata.clear()   # in place: callers may hold on to the dict across refresh()
+            self.metadata.update(metadata)
             self.dims = TraceDims(self.metadata["num_depths"], self.metadata["draft_topk"],
                                   self.metadata["budget"], self.metadata["target_topk"])
             self._steps = self._dataset("steps")

@@ -13,6 +13,7 @@ import math
 import os
 import platform
 import time
+import zlib
 from typing import Any, Mapping, Optional, Sequence
 
 import h5py
@@ -23,6 +24,7 @@ from .schema import (DERIVED_FIELDS, FIELDS_BY_NAME, FORMAT_NAME, SCHEMA_VERSION
 
 MODES = ("ar", "ddtree")
 COMPRESSIONS = ("gzip", "lzf", None)
+GZIP_LEVEL = 1   # small chunks: level 1 is within a few % of level 4's size at a fraction of the time
 
 
 def default_versions() -> dict[str, str]:
@@ -125,18 +127,18 @@ class TraceWriter:
         f.create_dataset("prompt_tokens", data=prompt, dtype="<i4")
         # One row per chunk: a flush writes only the new step's chunk, never an earlier one again.
         self._steps = f.create_dataset("steps", shape=(0,), maxshape=(None,), dtype=d.row_dtype(),
-                                       chunks=(1,), compression=compression)
+                                       chunks=(1,), compression=compression,
+                                       compression_opts=GZIP_LEVEL if compression == "gzip" else None)
         self._logits = None
         if self.save_logits:
             self._logits = f.create_dataset("logits", shape=(0, d.path_width, self.vocab_size),
                                             maxshape=(None, d.path_width, self.vocab_size), dtype="<f4",
                                             chunks=(1, d.path_width, self.vocab_size), compression=compression,
+                                            compression_opts=GZIP_LEVEL if compression == "gzip" else None,
                                             fillvalue=np.nan)
         for name in ("output_tokens", "golden_tokens"):
             f.create_dataset(name, shape=(0,), maxshape=(None,), dtype="<i4", chunks=(1024,))
-        # Low-level handles for the hot path: h5py's high-level setitem costs ~0.4 ms per compound row.
-        self._row_mspace = h5py.h5s.create_simple((1,))
-        self._row_mtype = self._steps.id.get_type()
+        self._compression = compression
 
     # -- per step -----------------------------------------------------------------------------------
     def write_step(self, record: Mapping[str, Any]) -> None:
@@ -155,20 +157,32 @@ class TraceWriter:
         index = self.num_steps
         row["time_trace_write_prev"] = self._last_write_time
         try:
-            self._steps.id.set_extent((index + 1,))
-            file_space = self._steps.id.get_space()
-            file_space.select_hyperslab((index,), (1,))
-            self._steps.id.write(self._row_mspace, file_space, row, self._row_mtype)
+            self._append_chunk(self._steps, index, row)
             if self._logits is not None:
-                logits = np.full((1,) + self._logits.shape[1:], np.nan, dtype=np.float32)
-                logits[0, :self._tau] = self._logits_value
-                self._logits.resize(index + 1, axis=0)
-                self._logits[index] = logits[0]
+                logits = np.full(self._logits.shape[1:], np.nan, dtype="<f4")
+                logits[:self._tau] = self._logits_value
+                self._append_chunk(self._logits, index, logits)
             self._file.flush()
         except (OSError, ValueError) as e:
             raise TraceError(f"{self.path}: writing step {index} failed ({_first_line(e)})") from None
         self.num_steps = index + 1
         self._last_write_time = time.perf_counter() - start
+
+    def _append_chunk(self, dataset: h5py.Dataset, index: int, value: np.ndarray) -> None:
+        """Grow ``dataset`` to index+1 steps and store ``value`` (one step, the dataset's exact dtype) as
+        chunk ``index``. gzip and uncompressed chunks are written directly (zlib here, no HDF5 type
+        conversion or filter pipeline): ~20-60 us a step instead of ~200 us through H5Dwrite."""
+        dataset.id.set_extent((index + 1,) + dataset.shape[1:])
+        if self._compression == "lzf":   # no Python lzf compressor: HDF5's pipeline does it (~150 us)
+            file_space = dataset.id.get_space()
+            file_space.select_hyperslab((index,) + (0,) * (dataset.ndim - 1), (1,) + dataset.shape[1:])
+            memory = np.ascontiguousarray(value).reshape((1,) + dataset.shape[1:])
+            dataset.id.write(h5py.h5s.create_simple(memory.shape), file_space, memory, dataset.id.get_type())
+            return
+        data = np.ascontiguousarray(value).tobytes()
+        if self._compression == "gzip":  # HDF5's deflate filter stores zlib streams
+            data = zlib.compress(data, GZIP_LEVEL)
+        dataset.id.write_direct_chunk((index,) + (0,) * (dataset.ndim - 1), data, 0)
 
     def _fill_row(self, row: np.ndarray, record: Mapping[str, Any]) -> None:
         keys = set(record)
