@@ -101,7 +101,8 @@ class TraceApp(App[int]):
         self.theme_changed_signal.subscribe(self, lambda _theme: self.redraw())
         self.query_one(StepList).focus()
         self.update_status()
-        self.load_columns()
+        # After the first frame: h5py holds the GIL while it reads, so the columns must not delay it.
+        self.call_after_refresh(self.load_columns)
         if self.following:
             self._follow_timer = self.set_interval(FOLLOW_INTERVAL, self.poll_trace)
 

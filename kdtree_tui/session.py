@@ -162,18 +162,33 @@ class TraceSession:
         return found
 
     def search(self, query: str, limit: int = 20) -> list[int]:
-        """Steps whose committed text contains ``query`` (or whose number it is), at most ``limit``."""
+        """Steps where a match of ``query`` in the output text starts (the step number itself first).
+
+        The text is every step's committed tokens as displayed, concatenated (built once per column load),
+        so a match may run on into the next step.
+        """
         query = query.strip()
         found = []
         if query.isdigit() and int(query) < self.num_steps:
             found.append(int(query))
-        if query:
-            for i in range(self.num_steps):
-                if len(found) >= limit:
-                    break
-                if i not in found and query in self.committed_text(i):
-                    found.append(i)
+        if not query or not self.loaded:
+            return found
+        text, starts = self._text_index()
+        at = text.find(query)
+        while at >= 0 and len(found) < limit:
+            step = int(np.searchsorted(starts, at, side="right")) - 1
+            if step not in found:
+                found.append(step)
+            at = text.find(query, at + 1)
         return found
+
+    def _text_index(self) -> tuple[str, np.ndarray]:
+        """(all steps' committed text, start offset of each step in it), cached per column load."""
+        if getattr(self, "_text_cache", (None,))[0] is not self.columns:
+            pieces = [self.committed_text(i) for i in range(self.num_steps)]
+            starts = np.cumsum([0] + [len(p) for p in pieces[:-1]]) if pieces else np.zeros(0, np.int64)
+            self._text_cache = (self.columns, "".join(pieces), starts)
+        return self._text_cache[1], self._text_cache[2]
 
     def step_of_position(self, position: int) -> Optional[int]:
         """The step that committed the token at absolute position ``position`` (P < position <= P+tau)."""

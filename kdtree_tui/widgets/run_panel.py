@@ -12,6 +12,7 @@ from ..session import TraceSession, format_seconds, tokens_text
 
 OUTPUT_WINDOW = 300  # steps of output text shown either side of the current step
 BAR = 24
+SPARK_BUCKETS = 512
 
 
 def render_metadata(session: TraceSession, colours: dict) -> Text:
@@ -83,6 +84,15 @@ def render_output(session: TraceSession, colours: dict, cursor: int) -> Text:
     return text
 
 
+def sparkline_data(tau: np.ndarray, buckets: int = SPARK_BUCKETS) -> list[float]:
+    """tau over steps, averaged into at most ``buckets`` equal runs of steps (100k steps stay cheap)."""
+    tau = np.asarray(tau, np.float64)
+    if len(tau) <= buckets:
+        return tau.tolist()
+    edges = np.linspace(0, len(tau), buckets + 1).astype(np.int64)
+    return (np.add.reduceat(tau, edges[:-1]) / np.diff(edges)).tolist()
+
+
 class RunPanel(VerticalScroll):
     DEFAULT_CSS = """
     RunPanel { padding: 0 1; }
@@ -95,6 +105,7 @@ class RunPanel(VerticalScroll):
         self.session = session
         self.stage_times: Optional[dict] = None
         self.texts = {"meta": Text(), "stats": Text(), "output": Text()}
+        self._sparkline_source = None
 
     def compose(self):
         yield Static(id="run-meta")
@@ -109,7 +120,9 @@ class RunPanel(VerticalScroll):
         for key, widget_id in (("meta", "#run-meta"), ("stats", "#run-stats"), ("output", "#run-output")):
             self.query_one(widget_id, Static).update(self.texts[key])
         tau = s.columns.get("tau")
-        self.query_one("#run-tau", Sparkline).data = [] if tau is None else tau.astype(float).tolist()
+        if tau is not None and self._sparkline_source is not tau:
+            self._sparkline_source = tau
+            self.query_one("#run-tau", Sparkline).data = sparkline_data(tau)
 
     @property
     def plain(self) -> str:
