@@ -1,0 +1,124 @@
+"""The device model (Numba kernels) against the float64 golden: AR and DDTree, token-exact.
+
+Under the CUDA simulator (CI) on the `tiny` and `small` presets; on a GPU the same tests run for real, and the
+`gpu` tests add k2-mini (Kimi K2 per-layer dimensions) with 64 new tokens and budgets 16 / 64 / 256.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import api
+
+PROMPT = "The tree"
+LOGIT_TOL = 1e-4   # fp32 engine vs float64 golden, per committed position
+CACHE_TOL = 1e-4   # compacted cache rows vs the golden AR cache
+
+
+def _device_backend() -> str:
+    from numba.cuda import config
+    return "sim" if config.ENABLE_CUDASIM else "cuda"
+
+
+def _check_records(records, golden_tokens_after_prompt):
+    for record in records:
+        assert np.array_equal(record["committed_tokens"], record["golden_tokens"]), record["prefix_len"]
+        assert np.all(record["logit_max_abs_diff"] <= LOGIT_TOL), record["logit_max_abs_diff"]
+        assert record["cache_max_abs_diff"] <= CACHE_TOL
+
+
+@pytest.fixture(scope="module", params=["tiny", "small"])
+def engine_and_golden(request):
+    engine = api.load(request.param, backend=_device_backend(), seed=0)
+    golden = engine.golden(PROMPT, 24 + 8)
+    return engine, golden
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+def test_ar_equals_golden(engine_and_golden):
+    engine, golden = engine_and_golden
+    records = []
+    result = engine.generate(PROMPT, 24, mode="ar", golden=golden, on_step=records.append)
+    assert result.golden_match, (result.tokens, golden.tokens[:24])
+    assert len(records) == 23  # the first token comes from the prefill
+    _check_records(records, golden.tokens)
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+def test_ddtree_oracle_equals_golden_with_full_acceptance(engine_and_golden):
+    engine, golden = engine_and_golden
+    records = []
+    result = engine.generate(PROMPT, 24, mode="ddtree", drafter="oracle", block_size=8, budget=7, golden=golden,
+                             on_step=records.append)
+    assert result.golden_match
+    # the prefill gives token 1; steps of 8 then cover the other 23 (the last one truncated)
+    assert result.taus == [8, 8, 8]
+    assert result.mean_tau == 8.0
+    _check_records(records, golden.tokens)
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+def test_ddtree_noisy_equals_golden_with_partial_acceptance(engine_and_golden):
+    engine, golden = engine_and_golden
+    records = []
+    result = engine.generate(PROMPT, 24, mode="ddtree", drafter="noisy:0.6", golden=golden, on_step=records.append)
+    assert result.golden_match
+    assert 1.0 < result.mean_tau < 8.0
+    _check_records(records, golden.tokens)
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+def test_ddtree_sampling_equals_ar_sampling(engine_and_golden):
+    engine, _ = engine_and_golden
+    ar = engine.generate(PROMPT, 16, mode="ar", temperature=1.0, seed=5)
+    tree = engine.generate(PROMPT, 16, mode="ddtree", drafter="noisy:0.7", temperature=1.0, seed=5)
+    assert np.array_equal(ar.tokens, tree.tokens)
+    golden = engine.golden(PROMPT, 16, temperature=1.0, seed=5)
+    assert np.array_equal(ar.tokens, golden.tokens)
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+@pytest.fixture(scope="module")
+def k2_mini():
+    import engine.reference as reference
+
+    engine = api.load("k2-mini", backend="cuda", seed=0)
+    # The golden over float64 copies of the weights: widened once instead of per token.
+    engine._reference = reference.ReferenceModel(engine.cfg, {k: v.astype(np.float64) for k, v in engine.weights.items()})
+    golden = engine.golden(PROMPT, 64 + 8)
+    return engine, golden
+
+
+@pytest.mark.gpu
+def test_k2_mini_ar_and_ddtree_oracle(k2_mini):
+    engine, golden = k2_mini
+    records = []
+    ar = engine.generate(PROMPT, 64, mode="ar", golden=golden, on_step=records.append)
+    worst = max(float(np.max(r["logit_max_abs_diff"])) for r in records)
+    print(f"k2-mini AR: golden match {ar.golden_match}, max |dlogit| {worst:.2e}")
+    assert ar.golden_match
+    _check_records(records, golden.tokens)
+    records = []
+    tree = engine.generate(PROMPT, 64, mode="ddtree", drafter="oracle", golden=golden, on_step=records.append)
+    print(f"k2-mini DDTree oracle: golden match {tree.golden_match}, mean tau {tree.mean_tau:.2f}, "
+          f"steps {tree.steps}")
+    assert tree.golden_match and tree.mean_tau == 8.0
+    _check_records(records, golden.tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [16, 64, 256])
+def test_k2_mini_ddtree_noisy_budgets(k2_mini, budget):
+    engine, golden = k2_mini
+    records = []
+    result = engine.generate(PROMPT, 64, mode="ddtree", drafter="noisy:0.7", budget=budget, golden=golden,
+                             on_step=records.append)
+    print(f"k2-mini DDTree noisy:0.7 budget {budget}: golden match {result.golden_match}, "
+          f"mean tau {result.mean_tau:.2f}, steps {result.steps}")
+    assert result.golden_match
+    assert 1.0 < result.mean_tau <= 8.0
+    _check_records(records, golden.tokens)
