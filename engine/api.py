@@ -76,7 +76,7 @@ class Engine:
     def generate(self, prompt, max_new_tokens: int, mode: str = "ar", drafter=None, block_size: int = 8,
                  budget: int = 7, topk: Optional[int] = None, temperature: float = 0.0, seed: Optional[int] = None,
                  golden: Union[None, bool, GoldenRun] = None, on_step: Optional[Callable[[dict], None]] = None,
-                 ) -> GenerateResult:
+                 record_logits: bool = False) -> GenerateResult:
         """Decode with engine.decode.generate (arguments as there).
 
         drafter: a Drafter object, or "oracle" / "noisy:P", built over the golden run at the same temperature
@@ -102,7 +102,8 @@ class Engine:
                                  self.cfg.vocab_size, seed)
         result = generate(self.model, ids, max_new_tokens, mode=mode, drafter=drafter, block_size=block_size,
                           budget=budget, topk=topk, temperature=temperature, seed=seed, golden=golden,
-                          on_step=on_step, tree_ops=self.tree_ops)
+                          on_step=on_step, tree_ops=self.tree_ops,
+                          record_logits=record_logits)
         result.meta.update(backend=self.backend, model=self.source, drafter=str(spec) if spec else
                            (None if drafter is None else type(drafter).__name__), golden=golden)
         return result

@@ -114,7 +114,8 @@ def check_drafter(drafter, block_size: int, topk: int) -> None:
 
 def generate(model, prompt_ids, max_new_tokens: int, mode: str = "ar", drafter=None, block_size: int = 8,
              budget: int = 7, topk: Optional[int] = None, temperature: float = 0.0, seed: int = 0, golden=None,
-             on_step: Optional[Callable[[dict], None]] = None, tree_ops=None) -> GenerateResult:
+             on_step: Optional[Callable[[dict], None]] = None, tree_ops=None,
+             record_logits: bool = False) -> GenerateResult:
     """Decode ``max_new_tokens`` after ``prompt_ids`` with ``model`` (model protocol).
 
     Args:
@@ -125,6 +126,8 @@ def generate(model, prompt_ids, max_new_tokens: int, mode: str = "ar", drafter=N
         golden: an engine.reference.GoldenRun of the same prompt (optional): records then carry golden agreement.
         on_step: called with each step's record dict (docs/architecture.md); records are built only when given.
         tree_ops: choose_tokens / build_tree / accept implementation (default ReferenceTreeOps).
+        record_logits: records also carry ``logits`` float32 [tau, V], the full logits of the committed
+            positions (for traces of small vocabularies).
     """
     cfg = model.cfg
     prompt, topk = check_generate_args(cfg, prompt_ids, max_new_tokens, mode, block_size, budget, topk,
@@ -151,7 +154,7 @@ def generate(model, prompt_ids, max_new_tokens: int, mode: str = "ar", drafter=N
     while len(tokens) < max_new_tokens:
         committed, times, record = step_fn(model, cache, ops, prompt, tokens, drafter=drafter, budget=budget,
                                            temperature=temperature, seed=seed, golden=golden,
-                                           want_record=on_step is not None)
+                                           want_record=(on_step is not None) and ("logits" if record_logits else True))
         tokens.extend(committed)
         taus.append(len(committed))
         for stage in STAGES:
@@ -202,6 +205,8 @@ def _ar_step(model, cache, ops, prompt, tokens, *, temperature, seed, golden, wa
     record = None
     if want_record:
         record = ar_step_record(prefix_len, root, logits, choice, clock.times, cache, prompt, golden)
+        if want_record == "logits":
+            record["logits"] = np.asarray(logits, dtype=np.float32)
     return [int(choice[0])], clock.times, record
 
 
@@ -233,4 +238,6 @@ def _ddtree_step(model, cache, ops, prompt, tokens, *, drafter, budget, temperat
     if want_record:
         record = ddtree_step_record(prefix_len, root, draft_ids, draft_logprobs, tree, logits, choice, accepted,
                                     bonus, committed, cache_len_verify, clock.times, cache, prompt, golden)
+        if want_record == "logits":
+            record["logits"] = np.asarray(logits, dtype=np.float32)[accepted]
     return committed, clock.times, record

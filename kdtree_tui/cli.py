@@ -141,8 +141,13 @@ def record_trace(model: str, out: str, *, prompt_ids: list[int], max_new_tokens:
     try:
         result = engine.generate(prompt_ids, max_new_tokens, mode=mode, drafter=drafter if mode == "ddtree" else None,
                                  block_size=block_size if mode == "ddtree" else 8, budget=budget, topk=topk,
-                                 temperature=temperature, seed=seed, golden=golden, on_step=on_step)
+                                 temperature=temperature, seed=seed, golden=golden, on_step=on_step,
+                                 record_logits=save_logits)
         writer.finish(result.tokens, np.asarray(golden.tokens)[:max_new_tokens])
+    except TraceError as e:
+        writer.close(status="failed")
+        progress_bar.close()
+        raise UsageError(str(e)) from None
     except BaseException:
         writer.close(status="failed")
         progress_bar.close()

@@ -179,6 +179,9 @@ def write_synthetic_trace(path: str | os.PathLike, num_steps: int, *, block_size
         for record in synthetic_records(num_steps, block_size=block_size, budget=budget, draft_topk=draft_topk,
                                         prompt_len=prompt_len, seed=seed, anomalies=anomalies):
             writer.write_step(record)
+            if not output:  # the output starts with the prefill's token: the first step's root
+                output.append(int(record["root_token"]))
+                golden.append(int(record["root_token"]))
             output.extend(record["committed_tokens"].tolist())
             golden.extend(record["golden_tokens"].tolist())
         if finish:
