@@ -1,0 +1,66 @@
+"""``kdtree bench [--json] [--quick] [SUITE...]``: run the suites, print progress to stderr and, last, the table
+(or the rows as JSON) to stdout. ``run(suites, json) -> rows``."""
+from __future__ import annotations
+
+import importlib
+import json as json_module
+import sys
+import time
+from typing import Iterable, Optional, TextIO
+
+from .common import ceiling_rows, format_table, progress, row
+
+SUITES = ("tree", "attention", "moe", "e2e", "trace")
+
+
+def run(suites: Optional[Iterable[str]] = None, json: bool = False, quick: bool = False,
+        out: Optional[TextIO] = None) -> list[dict]:
+    """Run ``suites`` (default all, in SUITES order) and return their rows (the ceilings' rows first).
+
+    A suite that fails gives one row with ok False and the error's first line, and the others still run.
+    quick: toy sizes (CUDA simulator / CI): checks that the suites run, the numbers mean nothing.
+    """
+    names = list(suites) if suites else list(SUITES)
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown bench suite {unknown[0]!r}; suites: {', '.join(SUITES)}")
+    out = out or sys.stdout
+    started = time.perf_counter()
+    rows = ceiling_rows(quick)
+    for name in names:
+        suite_start = time.perf_counter()
+        progress(f"suite {name} ...")
+        try:
+            module = importlib.import_module(f"{__package__}.{name}")
+            rows.extend(module.run(quick=quick))
+        except Exception as e:  # one broken suite must not hide the others' numbers
+            first = (str(e).splitlines() or [""])[0]
+            rows.append(row(name, "suite failed", None, ok=False, note=f"{type(e).__name__}: {first}"))
+        progress(f"suite {name} done in {time.perf_counter() - suite_start:.1f} s")
+    progress(f"all suites done in {time.perf_counter() - started:.1f} s")
+    if json:
+        json_module.dump(rows, out, indent=1)
+        out.write("\n")
+    else:
+        out.write(format_table(rows) + "\n")
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Stand-alone entry (python -m kdtree_tui.benchmarks.runner); exit 1 when a target is missed."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="kdtree bench")
+    parser.add_argument("suites", nargs="*", metavar="SUITE", help=", ".join(SUITES))
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        rows = run(args.suites, json=args.json, quick=args.quick)
+    except ValueError as e:
+        print(f"kdtree bench: {e}", file=sys.stderr)
+        return 2
+    return 1 if any(r["ok"] is False for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
