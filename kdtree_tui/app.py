@@ -1,8 +1,9 @@
 """TraceApp: the Textual trace debugger. Reads traces only through traces.reader (never the engine).
 
-Threads: one column worker reads the per-step columns after the first paint (and again when a followed
-trace grows); one exclusive step worker reads the current step's record, so scrubbing never blocks on
-the file and only the newest step's record is shown.
+Threads: one column worker reads the per-step columns after the first paint, the first screen's rows
+first (a followed trace that grows: only the new rows); one exclusive step worker reads the current
+step's record (from the first frame on), so scrubbing never blocks on the file and only the newest
+step's record is shown. Step list rows whose columns are not read yet show placeholders.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from .commands import StepCommands
 from .messages import ColumnsLoaded, StepLoaded
 from .palette import palette
 from .screens import GoToStepScreen, HelpScreen
-from .session import FLAG_NAMES, Thresholds, TraceSession
+from .session import FIRST_ROWS, FLAG_NAMES, READ_ROWS, Thresholds, TraceSession
 from .widgets.cache_panel import CachePanel
 from .widgets.compare_panel import ComparePanel
 from .widgets.logits_panel import LogitsPanel
@@ -101,7 +102,9 @@ class TraceApp(App[int]):
         self.theme_changed_signal.subscribe(self, lambda _theme: self.redraw())
         self.query_one(StepList).focus()
         self.update_status()
-        # After the first frame: h5py holds the GIL while it reads, so the columns must not delay it.
+        # The current step's record needs one row; the columns (one pass over every row) start after the
+        # first frame, so they cannot delay it.
+        self.go_to(self.session.num_steps - 1 if self._at_end else 0, force=True)
         self.call_after_refresh(self.load_columns)
         if self.following:
             self._follow_timer = self.set_interval(FOLLOW_INTERVAL, self.poll_trace)
@@ -113,13 +116,19 @@ class TraceApp(App[int]):
     # -- workers --------------------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="columns")
     def load_columns(self) -> None:
+        """The first FIRST_ROWS steps' columns, then the rest in READ_ROWS pieces, each posted when read."""
         worker = get_current_worker()
         try:
-            loaded = [self.session.read_columns()]
-            if self.other is not None:
-                loaded.append(self.other.read_columns())
+            loaded, total = None, self.session.num_steps
+            for stop in range(min(FIRST_ROWS, total), total, READ_ROWS) if total > FIRST_ROWS else ():
+                loaded = self.session.read_columns(loaded, stop)
+                self.post_message(ColumnsLoaded([loaded], partial=True))
+                if worker.is_cancelled:
+                    return
+            loaded = self.session.read_columns(loaded)  # up to whatever the reader sees now
+            other = [self.other.read_columns()] if self.other is not None else []
             if not worker.is_cancelled:
-                self.post_message(ColumnsLoaded(loaded))
+                self.post_message(ColumnsLoaded([loaded] + other))
         except READ_ERRORS as e:
             self.post_message(ColumnsLoaded(None, error=_one_line(e)))
 
@@ -150,10 +159,11 @@ class TraceApp(App[int]):
     def poll_trace(self) -> None:
         """Follow: has the trace grown (or finished)? Then re-read the columns."""
         try:
-            if self.session.refresh():
-                loaded = [self.session.read_columns()]
+            if self.session.refresh() and self.session.loaded:
+                # Only the rows written since the last read (the installed columns are kept as they are).
+                loaded = [self.session.read_columns(self.session.current_columns())]
                 if self.other is not None:
-                    loaded.append(self.other.read_columns())
+                    loaded.append(self.other.read_columns(self.other.current_columns()))
                 self.post_message(ColumnsLoaded(loaded))
         except READ_ERRORS as e:
             self.post_message(ColumnsLoaded(None, error=_one_line(e)))
@@ -162,16 +172,24 @@ class TraceApp(App[int]):
         if message.error:
             self.show_error(message.error)
             return
+        grew = message.columns[0].num_steps != self.session.num_steps
         self.session.install(message.columns[0])
-        if self.other is not None:
+        if self.other is not None and len(message.columns) > 1:
             self.other.install(message.columns[1])
+        if self._both_loaded():
             self.query_one(ComparePanel).realign()
         self.query_one(StepList).reset()
         last = max(self.session.num_steps - 1, 0)
         target = last if self._at_end else min(self.cursor, last)
-        self.query_one(RunPanel).stage_times = None
-        self.load_stage_times()
-        self.go_to(target, force=True)
+        if self.session.loaded:
+            self.query_one(RunPanel).stage_times = None
+            self.load_stage_times()
+        # Re-read the current record only when the trace grew (its last step's write time arrives late).
+        self.go_to(target, force=grew or self.record is None)
+        self.update_status()
+
+    def _both_loaded(self) -> bool:
+        return self.other is not None and self.session.loaded and self.other.loaded
 
     def on_step_loaded(self, message: StepLoaded) -> None:
         if message.index != self.cursor:
@@ -189,7 +207,7 @@ class TraceApp(App[int]):
         self.query_one(StepList).reset()
         self.redraw_step()
         self.redraw_run()
-        if self.other is not None and self.other.loaded:
+        if self._both_loaded():
             self.query_one(ComparePanel).realign()
             self.query_one(ComparePanel).follow_step(self.cursor)
 
@@ -209,12 +227,12 @@ class TraceApp(App[int]):
         s, colours = self.session, self.colours
         text = Text()
         text.append(f" {s.name} ", style="bold")
-        if not s.loaded:
-            text.append(f" {s.num_steps} steps, reading...")
-        elif s.num_steps == 0:
-            text.append(" no steps recorded yet")
+        i = self.cursor
+        if s.num_steps == 0:
+            text.append(" no steps recorded yet" if s.loaded else " reading...")
+        elif not s.has_row(i):
+            text.append(f" step {i}/{s.num_steps - 1}  reading steps...")
         else:
-            i = self.cursor
             text.append(f" step {i}/{s.num_steps - 1}  P={int(s.columns['prefix_len'][i])} "
                         f"tau={int(s.columns['tau'][i])} ")
             flags = int(s.flags[i])
@@ -248,7 +266,7 @@ class TraceApp(App[int]):
             return
         self.cursor = index
         self.query_one(StepList).cursor = index
-        if self.other is not None and self.other.loaded:
+        if self._both_loaded():
             self.query_one(ComparePanel).follow_step(index)
         self.update_status()
         if self.query_one(TabbedContent).active == "run":
@@ -279,12 +297,12 @@ class TraceApp(App[int]):
             self.go_to(found)
 
     def action_next_anomaly(self) -> None:
-        if self.session.loaded:
-            self._jump(self.session.next_flagged(self.cursor, 1), "anomaly after this step")
+        found = self.session.next_flagged(self.cursor, 1)
+        self._jump(found, "anomaly after this step" if self.session.loaded or found is not None else
+                   f"anomaly in the {self.session.rows} steps read so far")
 
     def action_previous_anomaly(self) -> None:
-        if self.session.loaded:
-            self._jump(self.session.next_flagged(self.cursor, -1), "anomaly before this step")
+        self._jump(self.session.next_flagged(self.cursor, -1), "anomaly before this step")
 
     def action_toggle_bookmark(self) -> None:
         if self.session.num_steps:

@@ -22,10 +22,13 @@ class StepLoaded(Message):
 
 @dataclass
 class ColumnsLoaded(Message):
-    """Per-step columns (re)read from the trace: a session.Columns, or the error."""
+    """Per-step columns (re)read from the trace: [session.Columns] (this trace, the compared one), or the
+    error; ``partial``: the first rows of this trace only, more to come."""
 
     columns: Any
     error: Optional[str] = None
+    partial: bool = False
 
     def can_replace(self, message: Message) -> bool:
+        # Each read extends the one before (or is an error): the newest holds everything.
         return isinstance(message, ColumnsLoaded)

@@ -1,7 +1,8 @@
 """The debugger's data model: one open trace, its per-step columns, anomalies, bookmarks. No Textual.
 
-Everything the step list shows comes from columns read once (``reader.column``), so moving through a
-100k-step trace never touches the file; a step's full record is read on demand (``reader.step``).
+Everything the step list shows comes from columns read once (``reader.fields``, in one pass over the
+rows, the first rows first), so moving through a 100k-step trace never touches the file; a step's full
+record is read on demand (``reader.step``). A followed trace that grows reads only its new rows.
 Dimension letters: S steps, L drafted depths (path width L+1), N+1 tree nodes.
 """
 from __future__ import annotations
@@ -21,6 +22,10 @@ FLAG_NAMES = {DIVERGED: "golden divergence", DLOGIT: "|dlogit| over threshold", 
 LIST_COLUMNS = ("prefix_len", "tau", "num_nodes", "bonus_token", "cache_max_abs_diff")
 PATH_COLUMNS = ("committed_tokens", "golden_tokens", "logit_max_abs_diff")
 STAGE_COLUMNS = ("time_draft", "time_build", "time_verify", "time_accept", "time_compact", "time_trace_write")
+# Rows read first (the first screen's step list), before the rest of the trace in READ_ROWS pieces
+# (h5py's lock is held for a whole read: small pieces let the step worker in between).
+FIRST_ROWS = 256
+READ_ROWS = 8192
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,11 @@ class TraceSession:
         self.mode = str(self.metadata.get("mode", "ddtree"))
         self.tokenizer = self._tokenizer()
         self.bookmarks: set[int] = set()
-        # Until the columns are read (a worker does it after the first paint) the views show placeholders.
+        # Until the columns are read (a worker does it after the first paint) the views show placeholders:
+        # columns and flags hold the first ``rows`` steps; ``loaded`` once they hold all num_steps.
         self.loaded = False
         self.num_steps = int(self.reader.num_steps)
+        self.rows = 0
         self.columns: dict[str, np.ndarray] = {}
         self.flags = np.zeros(0, np.uint8)
 
@@ -87,24 +94,35 @@ class TraceSession:
         return "byte"
 
     # -- columns --------------------------------------------------------------------------------------
-    def read_columns(self) -> "Columns":
-        """Read every per-step column the views need (safe in a worker thread; installs nothing)."""
+    def read_columns(self, previous: Optional["Columns"] = None, stop: Optional[int] = None) -> "Columns":
+        """Columns of steps [0, stop) (default: all the reader sees), reading only the rows past
+        ``previous`` (an earlier result, kept as is). Safe in a worker thread; installs nothing."""
         reader = self.reader
         num_steps = int(reader.num_steps)
+        stop = num_steps if stop is None else min(int(stop), num_steps)
+        start = previous.rows if previous is not None and previous.rows <= stop else 0
         names = LIST_COLUMNS + PATH_COLUMNS
         many = getattr(reader, "fields", None)  # one pass over the rows when the reader offers it
-        values = dict(many(names)) if callable(many) else {n: _read_field(reader, n) for n in names}
-        columns = {name: np.asarray(values[name])[:num_steps] for name in names}
+        if callable(many):
+            # The stage timings ride along in the same pass: the reader caches them for the run view.
+            values = dict(many(names + STAGE_COLUMNS, start, stop))
+        else:
+            values = {n: np.asarray(_read_field(reader, n))[start:stop] for n in names}
+        new = {name: np.asarray(values[name]) for name in names}
         for name in PATH_COLUMNS:
-            if columns[name].ndim == 1:
-                columns[name] = columns[name][:, None]
-        flags = compute_flags(columns, self.thresholds, self.mode)
-        return Columns(num_steps, columns, flags)
+            if new[name].ndim == 1:
+                new[name] = new[name][:, None]
+        flags = compute_flags(new, self.thresholds, self.mode)
+        if start:
+            new = {name: np.concatenate([previous.columns[name], new[name]]) for name in names}
+            flags = np.concatenate([previous.flags, flags])
+        return Columns(num_steps, new, flags)
 
     def install(self, loaded: "Columns") -> None:
         """Make freshly read columns current (on the UI thread)."""
         self.columns, self.flags, self.num_steps = loaded.columns, loaded.flags, loaded.num_steps
-        self.loaded = True
+        self.rows = loaded.rows
+        self.loaded = loaded.rows == loaded.num_steps
 
     def load_columns(self) -> None:
         self.install(self.read_columns())
@@ -114,8 +132,12 @@ class TraceSession:
         return {name: np.asarray(self.reader.column(name), np.float64) for name in STAGE_COLUMNS}
 
     def refresh(self) -> bool:
-        """Re-read the step count of a trace still being written; True when it changed (columns to reload)."""
+        """Re-read the step count of a trace still being written; True when it changed (columns to read)."""
         return int(self.reader.refresh()) != self.num_steps
+
+    def current_columns(self) -> Optional["Columns"]:
+        """The installed columns (what read_columns may extend), or None before any."""
+        return Columns(self.num_steps, self.columns, self.flags) if self.columns else None
 
     @property
     def is_complete(self) -> bool:
@@ -134,6 +156,10 @@ class TraceSession:
             close()
 
     # -- navigation -----------------------------------------------------------------------------------
+    def has_row(self, index: int) -> bool:
+        """Whether step ``index``'s columns have been read."""
+        return 0 <= index < self.rows
+
     def committed_text(self, index: int) -> str:
         tau = int(self.columns["tau"][index])
         return tokens_text(self.columns["committed_tokens"][index, :tau], self.tokenizer)
@@ -201,11 +227,16 @@ class TraceSession:
 
 @dataclass
 class Columns:
-    """What read_columns returns: S steps, {name: [S] or [S, L+1] array}, anomaly flags uint8 [S]."""
+    """What read_columns returns: of the trace's S steps, the first R (rows) as {name: [R] or [R, L+1]
+    array} and anomaly flags uint8 [R]."""
 
     num_steps: int
     columns: dict
     flags: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return len(self.flags)
 
 
 def _read_field(reader, name: str) -> np.ndarray:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import h5py
 import numpy as np
@@ -17,6 +18,9 @@ import numpy as np
 from .schema import (COLUMNS, FORMAT_NAME, SCHEMA_VERSION, STEP_FIELDS, TraceDims, TraceError)
 
 _JSON_ATTRS = ("model_config", "decode_config", "versions")
+# Rows per HDF5 read in column()/field()/fields(). HDF5 converts a compound field selection through a
+# buffer of whole rows (~2 KB each at budget 16), so reading 100k rows at once would peak at ~200 MB.
+BLOCK_ROWS = 8192
 
 
 @dataclass
@@ -77,6 +81,11 @@ class TraceReader:
         self._file = None
         self.num_steps = 0
         self.metadata: dict[str, Any] = {}
+        # Per-step scalar fields read so far, {stored name: int64/float64 [rows 0..k)}; rows below
+        # num_steps never change (each step is written once), so they survive refresh().
+        self._scalar_cache: dict[str, np.ndarray] = {}
+        # Reads may come from several threads (the app's workers) while refresh() reopens the file.
+        self._lock = threading.RLock()
         self._attach()
 
     def _attach(self) -> None:
@@ -130,8 +139,8 @@ class TraceReader:
             raise TraceError(f"{self.path}: {name!r} is not a dataset")
         return obj
 
-    def _read(self, dataset: h5py.Dataset, selection, name: Optional[str] = None):
-        """Read ``dataset[selection]``, turning HDF5 failures (truncation, bad chunks) into TraceError."""
+    def _read(self, dataset: h5py.Dataset, selection, name=None):
+        """Read ``dataset[selection]`` (of field(s) ``name``), turning HDF5 failures (truncation, bad chunks) into TraceError."""
         try:
             return dataset.fields(name)[selection] if name else dataset[selection]
         except (OSError, RuntimeError, ValueError) as e:
@@ -145,12 +154,13 @@ class TraceReader:
         A live (SWMR) file is reopened: HDF5 offers h5py no way to refresh the root group's attributes
         (status, end time), and reopening costs about a millisecond. A closed file does not change.
         """
-        if self._file is None:
-            raise TraceError(f"{self.path}: refresh after the trace was closed")
-        if self._file.swmr_mode:
-            self.close()
-            self._attach()
-        return self.num_steps
+        with self._lock:
+            if self._file is None:
+                raise TraceError(f"{self.path}: refresh after the trace was closed")
+            if self._file.swmr_mode:
+                self.close()
+                self._attach()
+            return self.num_steps
 
     def _count_steps(self) -> int:
         count = self._steps.shape[0]
@@ -169,7 +179,9 @@ class TraceReader:
     def step(self, index: int) -> StepRecord:
         """Step ``index`` (0-based; negative counts from the end), reading only that row."""
         i = self._check_index(index)
-        rows = self._read(self._steps, slice(i, min(i + 2, self.num_steps)))
+        with self._lock:
+            rows = self._read(self._steps, slice(i, min(i + 2, self.num_steps)))
+            logits = np.array(self._read(self._logits, i)) if self._logits is not None else None
         row = rows[0]
         tau, num_nodes = int(row["tau"]), int(row["num_nodes"])
         values: dict[str, Any] = {"index": i}
@@ -186,8 +198,8 @@ class TraceReader:
                 values[field.name] = np.array(row[field.name][trims[field.kind]])
         values["time_trace_write"] = float(rows[1]["time_trace_write_prev"]) if len(rows) > 1 else \
             float(self.metadata.get("time_trace_write_last", np.nan)) if i == self.num_steps - 1 else np.nan
-        if self._logits is not None:
-            values["logits"] = np.array(self._read(self._logits, i)[:tau])
+        if logits is not None:
+            values["logits"] = logits[:tau]
         return StepRecord(**values)
 
     def _check_index(self, index: int) -> int:
@@ -198,23 +210,99 @@ class TraceReader:
             raise IndexError(f"step {index} out of range (trace has {self.num_steps} steps)")
         return i
 
-    def column(self, name: str) -> np.ndarray:
-        """A per-step scalar field over all steps, shape [num_steps] (int64 or float64)."""
+    def column(self, name: str, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        """A per-step scalar over steps [start, stop) (default all), shape [stop-start], int64 or float64.
+
+        Read-only; cached, so asking again (or for more steps after refresh()) reads only new rows.
+        """
         if name not in COLUMNS:
             raise KeyError(f"{name!r} is not a per-step scalar column; choose from {', '.join(COLUMNS)}")
-        n = self.num_steps
-        if name == "time_trace_write":
-            # Row i+1 stores the write time of step i; the last step's is an attribute set by finish().
-            shifted = self._read(self._steps, slice(1, n), "time_trace_write_prev") if n > 1 else np.zeros(0)
-            return np.append(shifted, self.metadata.get("time_trace_write_last", np.nan)).astype(np.float64)[:n]
-        values = self._read(self._steps, slice(0, n), name)
-        return values.astype(np.int64 if values.dtype.kind == "i" else np.float64)
+        return self.fields([name], start, stop)[name]
 
-    def field(self, name: str) -> np.ndarray:
-        """A padded per-step field over all steps, shape [num_steps, ...] as stored (padding -1 / NaN)."""
+    def field(self, name: str, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        """A stored per-step field over steps [start, stop), shape [stop-start, ...] as stored (padding -1 / NaN)."""
         if name not in self._steps.dtype.names:
             raise KeyError(f"{name!r} is not a stored per-step field")
-        return self._read(self._steps, slice(0, self.num_steps), name)
+        start, stop = self._check_range(start, stop)
+        with self._lock:
+            return self._read_rows([name], start, stop)[name]
+
+    def fields(self, names: Iterable[str], start: int = 0, stop: Optional[int] = None) -> dict[str, np.ndarray]:
+        """Several per-step fields over steps [start, stop) in one pass over the rows: {name: array}.
+
+        A name in COLUMNS (per-step scalars, including the derived ``time_trace_write``) reads as
+        ``column`` does (int64 / float64 [stop-start], cached); any other stored field as ``field`` does.
+        """
+        names = list(dict.fromkeys(names))
+        stored = self._steps.dtype.names
+        for name in names:
+            if name not in COLUMNS and name not in stored:
+                raise KeyError(f"{name!r} is not a per-step field of this trace")
+        start, stop = self._check_range(start, stop)
+        with self._lock:
+            n = self.num_steps
+            # name -> (stored field, rows [lo, hi)): time_trace_write of step i is stored in row i+1.
+            wanted = {name: ("time_trace_write_prev", min(start + 1, n), min(stop + 1, n))
+                      if name == "time_trace_write" else (name, start, stop) for name in names}
+            to_read: dict[str, tuple[int, int]] = {}  # stored field -> rows to read from the file
+            for field, lo, hi in wanted.values():
+                if _is_scalar(field):
+                    cache = self._scalar_cache.get(field)
+                    if cache is not None and hi <= len(cache):
+                        continue
+                    if lo <= (len(cache) if cache is not None else 0):
+                        # Extend the cache (from row 0, or after refresh() with only the new rows).
+                        lo = len(cache) if cache is not None else 0
+                if field in to_read:
+                    lo, hi = min(lo, to_read[field][0]), max(hi, to_read[field][1])
+                to_read[field] = (lo, hi)
+            fetched: dict[str, tuple[int, np.ndarray]] = {}  # stored field -> (first row, values)
+            if to_read:
+                read_lo = min(r[0] for r in to_read.values())
+                read_hi = max(r[1] for r in to_read.values())
+                rows = self._read_rows(list(to_read), read_lo, read_hi)
+                for field, (lo, hi) in to_read.items():
+                    values = rows[field][lo - read_lo:hi - read_lo]
+                    if _is_scalar(field):
+                        values = values.astype(np.int64 if values.dtype.kind in "iu" else np.float64)
+                        cache = self._scalar_cache.get(field)
+                        if cache is not None and lo == len(cache):
+                            values, lo = np.concatenate([cache, values]), 0
+                        if lo == 0:
+                            values.flags.writeable = False
+                            self._scalar_cache[field] = values
+                    fetched[field] = (lo, values)
+            out = {}
+            for name, (field, lo, hi) in wanted.items():
+                cache = self._scalar_cache.get(field)
+                base, values = (0, cache) if cache is not None and hi <= len(cache) else fetched[field]
+                out[name] = values[lo - base:hi - base]
+            if "time_trace_write" in out:
+                # The last step's write time is an attribute set by finish() (NaN before).
+                shifted = out["time_trace_write"]
+                if stop == n and stop > start:
+                    shifted = np.append(shifted, float(self.metadata.get("time_trace_write_last", np.nan)))
+                    shifted.flags.writeable = False
+                out["time_trace_write"] = shifted
+        return {name: out[name] for name in names}
+
+    def _read_rows(self, names: list[str], start: int, stop: int) -> dict[str, np.ndarray]:
+        """Stored fields ``names`` over rows [start, stop), read BLOCK_ROWS rows at a time."""
+        dtype = self._steps.dtype
+        out = {name: np.empty((stop - start,) + dtype[name].shape, dtype[name].base) for name in names}
+        for lo in range(start, stop, BLOCK_ROWS):
+            hi = min(lo + BLOCK_ROWS, stop)
+            rows = self._read(self._steps, slice(lo, hi), names)
+            for name in names:
+                out[name][lo - start:hi - start] = rows[name]
+        return out
+
+    def _check_range(self, start: int, stop: Optional[int]) -> tuple[int, int]:
+        n = self.num_steps
+        start, stop = int(start), n if stop is None else int(stop)
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"steps [{start}, {stop}) out of range (trace has {n} steps)")
+        return start, stop
 
     @property
     def prompt_tokens(self) -> np.ndarray:
@@ -279,6 +367,11 @@ def _open_file(path: str) -> h5py.File:
         return h5py.File(path, "r", libver="latest", swmr=True, locking=False)
     except (OSError, RuntimeError, ValueError) as e:
         raise TraceError(f"{path}: cannot open as HDF5, damaged or truncated? ({_first_line(e)})") from None
+
+
+def _is_scalar(field: str) -> bool:
+    """A stored per-step scalar (cached by fields())."""
+    return field in COLUMNS or field == "time_trace_write_prev"
 
 
 def _attr_value(value: Any) -> Any:

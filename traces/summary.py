@@ -101,11 +101,13 @@ def summarize(num_depths: int, root: np.ndarray, tau: np.ndarray, committed: np.
 
 
 def summarize_trace(reader) -> TraceSummary:
-    """Summary of the steps a TraceReader currently sees."""
+    """Summary of the steps a TraceReader currently sees (one pass over the step rows)."""
+    values = reader.fields(("root_token", "tau", "committed_tokens", "golden_tokens", "logit_max_abs_diff",
+                            "cache_max_abs_diff") + TIME_COLUMNS)
     recorded_golden = reader.golden_tokens if reader.is_complete else None
     return summarize(
-        reader.dims.num_depths, reader.column("root_token"), reader.column("tau"), reader.field("committed_tokens"),
-        reader.field("golden_tokens"), reader.field("logit_max_abs_diff"), reader.column("cache_max_abs_diff"),
-        {name: reader.column(name) for name in TIME_COLUMNS},
+        reader.dims.num_depths, values["root_token"], values["tau"], values["committed_tokens"],
+        values["golden_tokens"], values["logit_max_abs_diff"], values["cache_max_abs_diff"],
+        {name: values[name] for name in TIME_COLUMNS},
         output_tokens=reader.output_tokens if reader.is_complete else None,
         golden_output=recorded_golden if recorded_golden is not None and recorded_golden.size else None)

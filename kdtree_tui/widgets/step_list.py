@@ -1,8 +1,9 @@
 """StepList: one line per step, drawn with the Line API so a 100k-step trace scrolls instantly.
 
-Each line comes from the session's columns (read once), never from the file. Rendered strips sit in an
-LRU cache keyed by everything they show (step, cursor, bookmark, width, theme); the cache is cleared when
-the columns are replaced (follow mode) or the theme changes.
+Each line comes from the session's columns (read once), never from the file; a step whose columns are
+not read yet shows a placeholder. Rendered strips sit in a small LRU cache (a few screens) keyed by
+everything they show (step, cursor, bookmark, width, theme); the cache is cleared when the columns are
+replaced (more rows read, follow mode) or the theme changes.
 """
 from __future__ import annotations
 
@@ -66,14 +67,15 @@ class StepList(ScrollView, can_focus=True):
         index = scroll_y + y
         width = self.scrollable_content_region.width
         base = self.rich_style
-        if not self.session.loaded:
-            if index == 0:
-                return Strip(list(Text(" reading steps...", style="italic").render(self.app.console))) \
-                    .crop_extend(0, width, base)
-            return Strip.blank(width, base)
         if index >= self.session.num_steps:
             return Strip.blank(width, base)
         is_cursor = index == self.cursor
+        if not self.session.has_row(index):
+            strip = Strip(list(Text(f" {index:>6} reading...", style="italic").render(self.app.console)))
+            strip = strip.crop_extend(0, width, base)
+            if is_cursor:
+                strip = strip.apply_style(self.get_component_rich_style("step-list--cursor"))
+            return strip.crop(scroll_x, scroll_x + width)
         key = (index, is_cursor, index in self.session.bookmarks, width, self.app.current_theme.name)
         strip = self._strips.get(key)
         if strip is None:
