@@ -28,7 +28,7 @@ from numba_kernels.rmsnorm import as_device_array, is_device_array
 from numba_kernels.warp import ON_SIMULATOR
 
 if ON_SIMULATOR:  # toy shapes: every simulated thread is a Python thread
-    THREADS, ROW_TILE, KEY_TILE, Q_CHUNK = 8, 4, 4, 4
+    THREADS, ROW_TILE, KEY_TILE, Q_CHUNK = 8, 8, 4, 4
     MAX_LATENT, MAX_ROPE, C_COL_GROUPS = 32, 8, 4
 else:  # shared memory: keys 16*577*4 + q 64*17*4 + p 64*17*4 + 3*64*4 = 46.6 KB (< 48 KB static)
     THREADS, ROW_TILE, KEY_TILE, Q_CHUNK = 256, 64, 16, 16

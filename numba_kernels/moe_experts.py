@@ -31,17 +31,18 @@ from .warp import ON_SIMULATOR, USE_SHUFFLE, WARP_SIZE, _warp_sum
 # Launch shapes. The simulator runs every thread as Python: fewer warps per block keeps it quick.
 WARPS_PER_BLOCK = 1 if ON_SIMULATOR else 8
 # A "warp" of LANES threads shares each weight row. The simulator has no shuffles (the reduction goes through
-# shared memory) and runs every thread in Python, so there a narrower group and more rows per group cut the
-# thread count ~16x; on a GPU LANES is the hardware warp.
+# shared memory), runs every thread in Python and pays a fixed cost per block (it polls its threads), so there
+# a narrower group with many rows per group means few, small blocks; on a GPU LANES is the hardware warp.
 LANES = 4 if ON_SIMULATOR else WARP_SIZE
 FFN_THREADS = WARPS_PER_BLOCK * LANES
-GATE_ROWS_PER_WARP = 8 if ON_SIMULATOR else 2    # intermediate rows per warp (each a gate row and an up row)
-DOWN_ROWS_PER_WARP = 8 if ON_SIMULATOR else 4    # output rows per warp
-TOKENS_PER_PASS = 4       # tokens sharing one read of a weight row (register-blocked)
+GATE_ROWS_PER_WARP = 32 if ON_SIMULATOR else 2   # intermediate rows per warp (each a gate row and an up row)
+DOWN_ROWS_PER_WARP = 64 if ON_SIMULATOR else 4   # output rows per warp
+TOKENS_PER_PASS = 1 if ON_SIMULATOR else 4  # tokens sharing one read of a weight row (register-blocked;
+#                                             the simulator pays for every padded token in Python)
 GATE_ACC = 2 * GATE_ROWS_PER_WARP
 SCRATCH_THREADS = FFN_THREADS if ON_SIMULATOR else 1  # warp-sum scratch: only the simulator needs it
 PLAN_THREADS = 8 if ON_SIMULATOR else 1024
-COMBINE_THREADS = 8 if ON_SIMULATOR else 256
+COMBINE_THREADS = 32 if ON_SIMULATOR else 256
 
 
 # ------------------------------------------------------------------------------------ device helpers
