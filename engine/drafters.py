@@ -95,7 +95,9 @@ class OracleDrafter:
 
 class NoisyOracleDrafter(OracleDrafter):
     """The oracle with misses: at each absolute position, with probability ``p`` the golden token is at rank 0;
-    otherwise a distractor takes rank 0 and the golden token is moved to a rank in 1..K-1 or dropped (even odds),
+    otherwise a distractor takes rank 0 and the golden token is moved to a lower rank or dropped (even odds); a
+    moved token lands at rank r with probability 2^-r (capped at K-1), as a real drafter's second guesses
+    concentrate near the top, so a wider tree recovers more of them,
     and the row's log-probs are flatter (``_unsure_logprobs``): like a real drafter, it is less sure where it is
     wrong, so DDTree's siblings can recover a moved golden token.
 
@@ -114,7 +116,7 @@ class NoisyOracleDrafter(OracleDrafter):
     def golden_rank(self, position: int) -> int:
         """Rank of the golden token at absolute ``position`` (0 = hit), -1 when dropped."""
         rng = np.random.default_rng([self.seed, NOISE_SALT, position])
-        hit, drop, rank = rng.random(), rng.random(), rng.integers(1, max(self.top_k, 2))
+        hit, drop, rank = rng.random(), rng.random(), min(rng.geometric(0.5), max(self.top_k - 1, 1))
         if hit < self.p or self.vocab == 1:
             return 0
         # Dropping needs a spare token to fill the row (K < V); moving needs a rank below 0 (K > 1).
