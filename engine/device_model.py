@@ -78,20 +78,46 @@ class _TorchOps:
     def _t(self, x):
         return self.torch.as_tensor(x, device="cuda")
 
-    def _w(self, w):
-        return w if w.dtype == self.torch.float32 else w.float()  # bf16 storage, fp32 arithmetic
+    def _x(self, x, w):
+        # bf16 weights: the GEMM reads bf16 operands on the tensor cores with fp32 accumulation, so the
+        # activation is rounded to bf16 too; fp32 weights keep the whole product in fp32.
+        x = self._t(x)
+        return x if w.dtype == self.torch.float32 else x.to(w.dtype)
 
     def linear(self, x, w):
-        return cuda.as_cuda_array(self.torch.nn.functional.linear(self._t(x), self._w(w)).contiguous())
+        out = self.torch.nn.functional.linear(self._x(x, w), w)
+        return cuda.as_cuda_array(out.float().contiguous())
 
     def heads_matmul(self, x, w, transpose_w: bool):
-        xh = self._t(x).transpose(0, 1)  # [h, s, a]
-        w = self._w(w)
+        xh = self._x(x, w).transpose(0, 1)  # [h, s, a]
         out = self.torch.bmm(xh, w.transpose(1, 2) if transpose_w else w)  # [h, s, b]
-        return cuda.as_cuda_array(out.transpose(0, 1).contiguous())
+        return cuda.as_cuda_array(out.transpose(0, 1).float().contiguous())
 
     def to_host(self, x) -> np.ndarray:
         return x.copy_to_host() if hasattr(x, "copy_to_host") else self._t(x).cpu().numpy()
+
+
+class DeviceLogits:
+    """Logits [s, V] float32 left on the device: token choice runs there; ``np.asarray`` copies them to the
+    host once, only when something (a step record) reads them."""
+
+    def __init__(self, device, to_host):
+        self.device, self._to_host, self._host = device, to_host, None
+
+    @property
+    def shape(self):
+        return tuple(self.device.shape)
+
+    def __len__(self) -> int:
+        return self.device.shape[0]
+
+    def __getitem__(self, key) -> "DeviceLogits":
+        return DeviceLogits(self.device[key], self._to_host)
+
+    def __array__(self, dtype=None, copy=None):
+        if self._host is None:
+            self._host = self._to_host(self.device)
+        return self._host if dtype is None else self._host.astype(dtype)
 
 
 class DeviceCache:
@@ -182,8 +208,9 @@ class DeviceModel:
             raise ValueError(f"cache capacity must be in 1..{self.max_cache_rows}, got {capacity!r}")
         return DeviceCache(self.cfg, int(capacity))
 
-    def forward(self, cache: DeviceCache, tokens, positions, visibility=None) -> np.ndarray:
-        """Logits float32 [s, V] (host) for ``tokens`` at ``positions``; writes cache rows length..length+s-1."""
+    def forward(self, cache: DeviceCache, tokens, positions, visibility=None) -> DeviceLogits:
+        """Logits float32 [s, V] (on the device; np.asarray gives the host copy) for ``tokens`` at ``positions``;
+        writes cache rows length..length+s-1."""
         cfg, ops = self.cfg, self.ops
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
@@ -209,7 +236,7 @@ class DeviceModel:
             normed = rmsnorm.add_rms_norm(attn, residual, layer["post_norm"], cfg.rms_norm_eps)
             delta = self._moe(layer, normed) if cfg.is_moe_layer(i) else self._dense_ffn(layer, normed)
         normed = rmsnorm.add_rms_norm(delta, residual, self.final_norm, cfg.rms_norm_eps)
-        return ops.to_host(ops.linear(normed, self.lm_head))
+        return DeviceLogits(ops.linear(normed, self.lm_head), ops.to_host)
 
     def _attention(self, i, layer, x, cache, positions, mask):
         cfg, ops = self.cfg, self.ops
@@ -256,8 +283,10 @@ class DeviceTreeOps:
     """Token choice, tree build and accept on the device kernels (one request per launch here)."""
 
     @staticmethod
-    def choose_tokens(logits: np.ndarray, temperature: float, seed: int, positions: np.ndarray) -> np.ndarray:
-        logits = cuda.to_device(np.ascontiguousarray(logits, dtype=np.float32))
+    def choose_tokens(logits, temperature: float, seed: int, positions: np.ndarray) -> np.ndarray:
+        """logits: DeviceLogits (chosen where they are) or a host array [s, V] (uploaded)."""
+        logits = (logits.device if isinstance(logits, DeviceLogits)
+                  else cuda.to_device(np.ascontiguousarray(logits, dtype=np.float32)))
         if temperature == 0:
             ids = sampling.argmax_rows(logits)
         else:
