@@ -16,7 +16,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Footer, Static, TabbedContent, TabPane
-from textual.worker import get_current_worker
+from textual.worker import WorkerState, get_current_worker
 
 from traces.schema import TraceError
 
@@ -105,13 +105,21 @@ class TraceApp(App[int]):
         # The current step's record needs one row; the columns (one pass over every row) start after the
         # first frame, so they cannot delay it.
         self.go_to(self.session.num_steps - 1 if self._at_end else 0, force=True)
-        self.call_after_refresh(self.load_columns)
+        self.call_after_refresh(self._load_columns_after_paint, 50)
         if self.following:
             self._follow_timer = self.set_interval(FOLLOW_INTERVAL, self.poll_trace)
 
     @property
     def colours(self) -> dict:
         return palette(self.current_theme.dark)
+
+    def _load_columns_after_paint(self, tries: int) -> None:
+        """Start the column worker once the step list has been drawn (tries: 10 ms waits left). A
+        worker started earlier competes for the GIL with composing the first frame (up to 0.3 s slower)."""
+        if self.query_one(StepList).painted or tries <= 0:
+            self.load_columns()
+        else:
+            self.set_timer(0.01, lambda: self._load_columns_after_paint(tries - 1))
 
     # -- workers --------------------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="columns")
@@ -135,13 +143,21 @@ class TraceApp(App[int]):
     @work(thread=True, exclusive=True, group="step")
     def load_step(self, index: int) -> None:
         worker = get_current_worker()
-        try:
-            record = self.session.step(index)
-        except READ_ERRORS as e:
-            self.post_message(StepLoaded(index, None, error=f"step {index}: {_one_line(e)}"))
-            return
+        loaded = self.read_step(index)
         if not worker.is_cancelled:
-            self.post_message(StepLoaded(index, record))
+            self.post_message(loaded)
+
+    def read_step(self, index: int) -> StepLoaded:
+        """Step ``index``'s record (one row of the file), or the error reading it."""
+        try:
+            return StepLoaded(index, self.session.step(index))
+        except READ_ERRORS as e:
+            return StepLoaded(index, None, error=f"step {index}: {_one_line(e)}")
+
+    def _file_busy(self) -> bool:
+        """Whether a worker is reading columns (h5py serialises reads: a step read would wait for it)."""
+        return any(w.group in ("columns", "follow") and w.state in (WorkerState.PENDING, WorkerState.RUNNING)
+                   for w in self.workers)
 
     @work(thread=True, exclusive=True, group="times")
     def load_stage_times(self) -> None:
@@ -268,10 +284,15 @@ class TraceApp(App[int]):
         self.query_one(StepList).cursor = index
         if self._both_loaded():
             self.query_one(ComparePanel).follow_step(index)
-        self.update_status()
         if self.query_one(TabbedContent).active == "run":
             self.redraw_run()
-        self.load_step(index)
+        if self._file_busy():
+            self.update_status()
+            self.load_step(index)
+        else:
+            # One row, about a millisecond: read here, so the key's first frame already shows the step
+            # (a worker's answer would come a frame later).
+            self.on_step_loaded(self.read_step(index))
 
     def on_step_list_selected(self, message: StepList.Selected) -> None:
         self.go_to(message.index)
@@ -317,6 +338,7 @@ class TraceApp(App[int]):
         if tab == "compare" and self.other is None:
             self.notify("no second trace (start with --compare OTHER)", timeout=3)
             return
+        self._flush_tab(tab)
         self.query_one(TabbedContent).active = tab
         if tab == "run":
             self.redraw_run()
@@ -338,8 +360,15 @@ class TraceApp(App[int]):
         self.push_screen(HelpScreen())
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        self._flush_tab(event.pane.id)
         if event.pane.id == "run":
             self.redraw_run()
+
+    def _flush_tab(self, tab: Optional[str]) -> None:
+        """A step panel only re-renders while its tab is shown (set_text): bring the one shown up to date."""
+        panel = {"tree": TreePanel, "logits": LogitsPanel, "cache": CachePanel}.get(tab or "")
+        if panel is not None:
+            self.query_one(panel).flush()
 
     def on_unmount(self) -> None:
         self.session.close()

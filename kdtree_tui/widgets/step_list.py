@@ -48,6 +48,7 @@ class StepList(ScrollView, can_focus=True):
         super().__init__(**kwargs)
         self.session = session
         self._strips: LRUCache[tuple, Strip] = LRUCache(1024)
+        self.painted = False  # a line has been drawn (the app waits for it to start reading columns)
 
     def on_mount(self) -> None:
         self.reset()
@@ -63,6 +64,7 @@ class StepList(ScrollView, can_focus=True):
         self.refresh()
 
     def render_line(self, y: int) -> Strip:
+        self.painted = True
         scroll_x, scroll_y = self.scroll_offset
         index = scroll_y + y
         width = self.scrollable_content_region.width
