@@ -1,0 +1,87 @@
+"""Suite ``trace``: what recording a trace costs on k2-mini (the e2e suite's model, loaded once).
+
+For AR and DDTree (oracle drafter, block 8, budget 7) the same decode runs twice, alternately, without and
+with ``on_step`` writing every step to a TraceWriter (records built by the decode loop, written by
+traces/writer.py; golden None). Reported:
+- recording overhead = (wall with trace - wall without) / wall with trace (target <= 5%): records + writes;
+- writer share = time inside TraceWriter.write_step / wall with trace;
+- bytes per step = trace file size after close / steps.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from engine.decode import generate
+from engine.drafters import parse_drafter
+from traces import TraceWriter
+
+from .common import progress, row
+from .e2e import load_model
+
+SUITE = "trace"
+TARGET_OVERHEAD = 0.05
+
+
+def _record(cfg, model, ops, prompt, new_tokens, mode, drafter_args, path):
+    """One decode writing a trace at ``path``: (wall seconds, seconds in write_step, steps)."""
+    block, budget = (drafter_args["block_size"], drafter_args["budget"]) if mode == "ddtree" else (1, 0)
+    writer = TraceWriter(path, mode=mode, model_config={**cfg.to_hf_dict(), "name": cfg.name},
+                         decode_config=dict(mode=mode, block_size=block, budget=budget), backend=model.backend,
+                         device="bench", seed=0, prompt_tokens=prompt, block_size=block, budget=budget,
+                         draft_topk=drafter_args.get("topk", 0) if mode == "ddtree" else 0, force=True)
+    spent = [0.0]
+
+    def on_step(record):
+        start = time.perf_counter()
+        writer.write_step(record)
+        spent[0] += time.perf_counter() - start
+
+    start = time.perf_counter()
+    result = generate(model, prompt, new_tokens, mode=mode, on_step=on_step, tree_ops=ops,
+                      **{k: v for k, v in drafter_args.items() if k != "topk"})
+    writer.finish(result.tokens)
+    writer.close()
+    return time.perf_counter() - start, spent[0], result.steps
+
+
+def run(quick: bool = False) -> list[dict]:
+    cfg, model, ops, _ = load_model(quick)
+    new_tokens, block, budget, repeats = (2, 3, 2, 1) if quick else (48, 8, 7, 3)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, cfg.vocab_size, 4 if quick else 32).astype(np.int64)
+    if quick:  # the simulator is slow: random "golden" tokens (the oracle then misses; every path still runs)
+        golden = rng.integers(0, cfg.vocab_size, len(prompt) + new_tokens + block)
+    else:  # the engine's own AR continuation, as in the e2e suite
+        golden = np.concatenate([prompt, generate(model, prompt, new_tokens + block, tree_ops=ops).tokens])
+    topk = min(budget, cfg.vocab_size)
+    ddtree_args = dict(drafter=parse_drafter("oracle").build(golden, block - 1, topk, cfg.vocab_size),
+                       block_size=block, budget=budget, topk=topk)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kdtree-bench-") as tmp:
+        for mode, args in (("ar", {}), ("ddtree", ddtree_args)):
+            progress(f"trace: {mode}, {new_tokens} tokens, with and without a trace")
+            path = os.path.join(tmp, f"{mode}.h5")
+            plain, traced, writes = [], [], []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                generate(model, prompt, new_tokens, mode=mode, tree_ops=ops,
+                         **{k: v for k, v in args.items() if k != "topk"})
+                plain.append(time.perf_counter() - start)
+                wall, spent, steps = _record(cfg, model, ops, prompt, new_tokens, mode, args, path)
+                traced.append(wall)
+                writes.append(spent / wall)
+            plain_s, traced_s = statistics.median(plain), statistics.median(traced)
+            overhead = (traced_s - plain_s) / traced_s
+            label = "AR" if mode == "ar" else f"DDTree oracle B={budget}"
+            rows.append(row(SUITE, f"{label} recording overhead", 100 * overhead, "%",
+                            target=f"<= {100 * TARGET_OVERHEAD:g}%", ok=None if quick else overhead <= TARGET_OVERHEAD,
+                            note=f"wall {plain_s * 1e3:.4g} ms without, {traced_s * 1e3:.4g} ms with a trace "
+                                 f"({steps} steps); writer alone {100 * statistics.median(writes):.2g}%"))
+            rows.append(row(SUITE, f"{label} bytes per step", os.path.getsize(path) / steps, "B",
+                            note=f"{os.path.getsize(path)} B file, {steps} steps, gzip"))
+    return rows
