@@ -162,6 +162,7 @@ def step_bytes(cfg: ModelConfig, tokens: int, prefix_len: int, distinct_per_laye
         if cfg.is_moe_layer(layer):
             total += next(moe_layers, cfg.n_routed_experts) * expert
     total += size("lm_head.weight" if not cfg.tie_word_embeddings else "model.embed_tokens.weight") * WEIGHT_BYTES
+    total += size("model.norm.weight") * 4
     total += tokens * cfg.hidden_size * WEIGHT_BYTES  # embedding rows
     row_bytes = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4 * cfg.num_hidden_layers
     total += (prefix_len + tokens) * row_bytes + tokens * row_bytes  # rows read, new rows written

@@ -1,0 +1,129 @@
+"""`kdtree bench` suites in --quick toy mode (CUDA simulator in CI): the rows' shape, not speeds; the roofline
+byte count and the HF weight mapping against independent references."""
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+
+from engine.config import PRESETS
+from engine.weights import parameter_shapes, random_weights
+from kdtree_tui.benchmarks import common, runner
+
+ROW_KEYS = set(common.ROW_KEYS)
+
+
+def check_rows(rows, suite, count=None):
+    mine = [r for r in rows if r["suite"] == suite]
+    assert mine, f"no rows for suite {suite}"
+    if count is not None:
+        assert len(mine) == count
+    for r in mine:
+        assert set(r) == ROW_KEYS
+        assert r["metric"] != "suite failed", r["note"]
+        assert isinstance(r["value"], (int, float)) and math.isfinite(r["value"]), r
+        assert r["ok"] in (None, True, False)
+    json.dumps(rows)  # rows are JSON-serialisable
+    return mine
+
+
+# ------------------------------------------------------------------------------------------ common
+def test_row_ratio_and_table():
+    r = common.row("tree", "build", np.float32(3.0), "ms", peer="heapq", peer_value=np.float64(6.0), target=">= 1x",
+                   ok=np.bool_(False))
+    assert set(r) == ROW_KEYS and r["ratio"] == 0.5 and r["ok"] is False and type(r["value"]) is float
+    assert common.row("x", "y", 1.0, peer_value=0.0)["ratio"] is None
+    assert common.row("x", "y", None)["ratio"] is None
+    table = common.format_table([r, common.row("e2e", "AR tokens/s", 1234.5, "tok/s", note="n")]).splitlines()
+    assert len(table) == 4 and table[0].startswith("suite") and set(table[1]) == {"-"}
+    assert "NO" in table[2] and "heapq" in table[2] and table[3].endswith("n")
+
+
+@pytest.mark.sim
+def test_ceilings_are_positive():
+    c = common.ceilings(quick=True)
+    assert c["copy_bytes_per_s"] > 0 and c["fma_flops"] > 0
+    rows = common.ceiling_rows(quick=True)
+    assert [r["unit"] for r in rows] == ["GB/s", "TFLOP/s"]
+
+
+# ------------------------------------------------------------------------------------------ runner
+def test_runner_rejects_unknown_suite():
+    with pytest.raises(ValueError, match="unknown bench suite 'nope'"):
+        runner.run(["nope"], quick=True)
+
+
+@pytest.mark.sim
+def test_runner_failed_suite_is_one_row(monkeypatch):
+    from kdtree_tui.benchmarks import tree
+
+    def broken(quick=False):
+        raise RuntimeError("kernel exploded\nsecond line")
+    monkeypatch.setattr(tree, "run", broken)
+    out = io.StringIO()
+    rows = runner.run(["tree"], json=True, quick=True, out=out)
+    failed = [r for r in rows if r["suite"] == "tree"]
+    assert len(failed) == 1 and failed[0]["ok"] is False and failed[0]["note"] == "RuntimeError: kernel exploded"
+    assert json.loads(out.getvalue()) == rows
+
+
+# ------------------------------------------------------------------------------------------ suites
+@pytest.mark.sim
+def test_kernel_suites_quick():
+    out = io.StringIO()
+    rows = runner.run(["tree", "attention", "moe"], quick=True, out=out)
+    tree_rows = check_rows(rows, "tree", count=2)
+    assert all(r["peer"] == "heapq (Python)" and r["ratio"] > 0 for r in tree_rows)
+    check_rows(rows, "attention", count=1)
+    check_rows(rows, "moe", count=2)
+    assert out.getvalue().splitlines()[0].startswith("suite")  # the table comes last, on stdout
+
+
+@pytest.mark.sim
+def test_e2e_and_trace_quick():
+    rows = runner.run(["e2e", "trace"], json=True, quick=True, out=io.StringIO())
+    e2e = check_rows(rows, "e2e")
+    metrics = [r["metric"] for r in e2e]
+    assert metrics[0] == "AR tokens/s" and any(m.startswith("DDTree oracle") for m in metrics)
+    assert any("roofline" in m for m in metrics) and metrics[-1] == "engine AR vs HF transformers AR"
+    trace = check_rows(rows, "trace", count=4)
+    assert [r["unit"] for r in trace] == ["%", "B", "%", "B"]
+    assert all(r["value"] > 0 for r in trace if r["unit"] == "B")
+
+
+# ------------------------------------------------------------------------------------------ roofline
+def test_step_bytes_all_experts_is_every_weight():
+    """With every routed expert touched, a one-token step at P = 0 moves every parameter but the embedding
+    table (bf16 matrices, fp32 vectors), one embedding row, and one cache row read and written per layer."""
+    from kdtree_tui.benchmarks.e2e import step_bytes
+    for name in ("tiny", "small"):
+        cfg = PRESETS[name]
+        shapes = parameter_shapes(cfg)
+        want = sum(int(np.prod(s)) * (2 if len(s) == 2 else 4) for n, s in shapes.items()
+                   if n != "model.embed_tokens.weight")
+        want += cfg.hidden_size * 2 + 2 * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+        moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+        assert step_bytes(cfg, 1, 0, [cfg.n_routed_experts] * moe_layers) == want
+        # one expert fewer per MoE layer: 3 d f bf16 values fewer each
+        fewer = step_bytes(cfg, 1, 0, [cfg.n_routed_experts - 1] * moe_layers)
+        assert want - fewer == moe_layers * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+
+
+# ------------------------------------------------------------------------------------------ HF peer
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_hf_peer_matches_golden(name):
+    """Our weights loaded into transformers' DeepseekV3ForCausalLM (fp32, CPU) give the float64 golden's logits."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from engine.reference import ReferenceModel
+    from kdtree_tui.benchmarks.e2e import hf_model
+    cfg = PRESETS[name]
+    weights = random_weights(cfg, 3)
+    model = hf_model(cfg, {k: torch.from_numpy(v) for k, v in weights.items()}, torch.float32, "cpu")
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, 24)
+    golden = ReferenceModel(cfg, weights)
+    want = golden.forward(golden.new_cache(32), ids, np.arange(len(ids)))
+    with torch.no_grad():
+        got = model(torch.from_numpy(ids)[None]).logits[0].double().numpy()
+    assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
