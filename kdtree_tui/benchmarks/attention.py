@@ -76,7 +76,7 @@ def run(quick: bool = False) -> list[dict]:
                 q_cat = torch.cat([torch.as_tensor(q_lat, device="cuda"), torch.as_tensor(q_pe, device="cuda")],
                                   dim=-1).reshape(tokens * heads, latent + rope)
                 bias = torch.zeros((tokens, prefix_len + tokens), device="cuda")
-                bias[:, prefix_len:] = torch.where(torch.as_tensor(visible, device="cuda"), 0.0, float("-inf"))
+                bias[:, prefix_len:].masked_fill_(~torch.as_tensor(visible, device="cuda"), float("-inf"))
                 peer = time_gpu(lambda: _torch_attention(torch, q_cat, t_cache, bias, heads, latent, scale),
                                 warmup=2, repeats=10)
                 want = _torch_attention(torch, q_cat, t_cache, bias, heads, latent, scale).cpu().numpy()

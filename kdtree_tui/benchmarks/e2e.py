@@ -94,7 +94,7 @@ def hf_model(cfg: ModelConfig, tensors: dict, dtype, device: str):
     missing = [k for k in missing if "rotary" not in k]
     if missing or unexpected:
         raise RuntimeError(f"HF weight mapping: missing {missing[:1]}, unexpected {unexpected[:1]}")
-    return model.to(dtype).eval()
+    return model.eval()  # parameters already in dtype; no .to(dtype): it would round RoPE's fp32 inv_freq
 
 
 def hf_greedy(torch, model, prompt: np.ndarray, new_tokens: int, device: str) -> tuple[np.ndarray, float]:

@@ -45,8 +45,8 @@ def run(quick: bool = False) -> list[dict]:
     progress(f"moe: weights e={experts} d={d} f={f} bf16")
     if torch is not None:  # 34 GB of bf16 weights: generate them on the GPU
         gen = torch.Generator(device="cuda").manual_seed(0)
-        gate_up_t = (torch.randn((experts, 2 * f, d), generator=gen, device="cuda", dtype=torch.bfloat16) * d ** -0.5)
-        down_t = (torch.randn((experts, d, f), generator=gen, device="cuda", dtype=torch.bfloat16) * f ** -0.5)
+        gate_up_t = torch.randn((experts, 2 * f, d), generator=gen, device="cuda", dtype=torch.bfloat16).mul_(d ** -0.5)
+        down_t = torch.randn((experts, d, f), generator=gen, device="cuda", dtype=torch.bfloat16).mul_(f ** -0.5)
         gate_up = cuda.as_cuda_array(gate_up_t.view(torch.int16))
         down = cuda.as_cuda_array(down_t.view(torch.int16))
     else:
