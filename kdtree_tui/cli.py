@@ -243,6 +243,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_app(out)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.quick:
+        _select_backend("auto")  # toy sizes: the simulator stands in where there is no GPU
+    from kdtree_tui.benchmarks import runner
+    try:
+        rows = runner.run(args.suites, json=args.json, quick=args.quick)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return 1 if any(r.get("ok") is False for r in rows) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kdtree",
@@ -296,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="where to write the trace (default: a temporary directory)")
     p.add_argument("--no-tui", action="store_true", help="record only; print the trace path")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("bench", help="benchmarks with their peers, side by side in one run (exit 1: a target missed)")
+    p.add_argument("suites", nargs="*", metavar="SUITE", help="tree, attention, moe, e2e, trace, tui (default all)")
+    p.add_argument("--json", action="store_true", help="rows as JSON")
+    p.add_argument("--quick", action="store_true", help="toy sizes: checks the suites run (numbers mean nothing)")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 
