@@ -25,6 +25,8 @@ from engine.decode import STAGES, generate
 from engine.drafters import parse_drafter
 from engine.weights import parameter_shapes, random_weights
 
+from numba_kernels.warp import ON_SIMULATOR
+
 from .common import ceilings, progress, row, torch_cuda
 
 SUITE = "e2e"
@@ -171,8 +173,8 @@ def step_bytes(cfg: ModelConfig, tokens: int, prefix_len: int, distinct_per_laye
 
 # ------------------------------------------------------------------------------------------ the model
 def load_model(quick: bool):
-    """(cfg, DeviceModel, tree_ops, torch tensors or None): k2-mini bf16 on the GPU (quick: tiny on the
-    simulator with numpy weights). Cached for the trace suite."""
+    """(cfg, DeviceModel, tree_ops, torch tensors or None): k2-mini bf16 on the GPU (quick: tiny, fp32, numpy
+    weights, on the simulator or the GPU; its HF peer runs on the CPU). Cached for the trace suite."""
     if quick in _LOADED:
         return _LOADED[quick]
     from engine.device_model import DeviceModel, DeviceTreeOps
@@ -180,7 +182,7 @@ def load_model(quick: bool):
     if quick:
         cfg = PRESETS["tiny"]
         weights = random_weights(cfg, 0)
-        model = DeviceModel(cfg, weights, "sim")
+        model = DeviceModel(cfg, weights, "sim" if ON_SIMULATOR else "cuda")
         tensors = None
         try:
             import torch as cpu_torch
