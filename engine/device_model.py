@@ -114,6 +114,23 @@ class DeviceLogits:
     def __getitem__(self, key) -> "DeviceLogits":
         return DeviceLogits(self.device[key], self._to_host)
 
+    def rows(self, indices) -> np.ndarray:
+        """Host copy of the rows ``indices`` only (e.g. the accepted nodes): float32 [len(indices), V]."""
+        if self._host is not None:
+            return self._host[np.asarray(indices)]
+        return np.stack([self._to_host(self.device[int(i):int(i) + 1])[0] for i in indices])
+
+    def topk(self, k: int):
+        """Per row on the device: (ids int32 [s, k], values float32 [s, k], top1 - top2 margin float32 [s]);
+        past V padded with -1 / NaN, ties -> lower id (as engine.records.target_topk)."""
+        s, vocab = self.shape
+        width = min(k, vocab)
+        ids, values, margins = (self._to_host(a) for a in sampling.topk_rows(self.device, width))
+        if width < k:
+            ids = np.concatenate([ids, np.full((s, k - width), -1, np.int32)], axis=1)
+            values = np.concatenate([values, np.full((s, k - width), np.nan, np.float32)], axis=1)
+        return ids, values, margins
+
     def __array__(self, dtype=None, copy=None):
         if self._host is None:
             self._host = self._to_host(self.device)

@@ -48,6 +48,8 @@ def golden_agreement(logits: np.ndarray, positions: np.ndarray, prompt_len: int,
 def target_topk(logits: np.ndarray, k: int = TARGET_TOPK):
     """Per node of logits [N+1, V]: top-k ids int32 [N+1, k], logits float32 [N+1, k] (ties -> lower id; past
     V padded with -1 / NaN) and the top-1 minus top-2 margin float32 [N+1] (+inf when V == 1)."""
+    if hasattr(logits, "topk"):  # logits still on the device: top-k there, only [N+1, k] comes back
+        return logits.topk(k)
     logits = np.asarray(logits)
     width = min(k, logits.shape[1])
     order = np.lexsort((np.broadcast_to(np.arange(logits.shape[1]), logits.shape), -logits.astype(np.float64)),
@@ -67,7 +69,8 @@ def ddtree_step_record(prefix_len, root, draft_ids, draft_logprobs, tree, logits
     tau = len(accepted)
     topk_ids, topk_logits, margin = target_topk(logits)
     # The accepted nodes' logits chose the committed tokens, at positions P+1 .. P+tau.
-    golden_tokens, logit_diff = golden_agreement(np.asarray(logits)[accepted], prefix_len + 1 + np.arange(tau),
+    accepted_logits = logits.rows(accepted) if hasattr(logits, "rows") else np.asarray(logits)[accepted]
+    golden_tokens, logit_diff = golden_agreement(accepted_logits, prefix_len + 1 + np.arange(tau),
                                                  len(prompt), golden)
     record = {
         "prefix_len": int(prefix_len),

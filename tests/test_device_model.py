@@ -118,3 +118,18 @@ def test_k2_mini_ddtree_noisy_budgets(k2_mini, budget):
     assert result.golden_match
     assert 1.0 < result.mean_tau <= 8.0
     _check_records(records, golden.tokens)
+
+
+@pytest.mark.sim
+def test_device_logits_topk_and_rows_equal_the_host_versions():
+    from engine import records
+
+    engine = api.load("tiny", backend=_device_backend(), seed=1)
+    cache = engine.model.new_cache(16)
+    logits = engine.model.forward(cache, np.array([5, 9, 5, 200]), np.arange(4))
+    rows = logits.rows([3, 0])  # before any full host copy exists
+    device_topk = records.target_topk(logits)
+    host = np.asarray(logits)
+    np.testing.assert_array_equal(rows, host[[3, 0]])
+    for ours, theirs in zip(device_topk, records.target_topk(host)):
+        np.testing.assert_array_equal(ours, theirs)
