@@ -10,7 +10,7 @@ from typing import Iterable, Optional, TextIO
 
 from .common import ceiling_rows, format_table, progress, row
 
-SUITES = ("tree", "attention", "moe", "e2e", "trace")
+SUITES = ("tree", "attention", "moe", "e2e", "trace", "tui")
 
 
 def run(suites: Optional[Iterable[str]] = None, json: bool = False, quick: bool = False,
