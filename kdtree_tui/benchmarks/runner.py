@@ -11,6 +11,7 @@ from typing import Iterable, Optional, TextIO
 from .common import ceiling_rows, format_table, progress, row
 
 SUITES = ("tree", "attention", "moe", "e2e", "trace", "tui")
+GPU_SUITES = ("tree", "attention", "moe", "e2e", "trace")  # measured against the GPU's ceilings
 
 
 def run(suites: Optional[Iterable[str]] = None, json: bool = False, quick: bool = False,
@@ -26,7 +27,11 @@ def run(suites: Optional[Iterable[str]] = None, json: bool = False, quick: bool 
         raise ValueError(f"unknown bench suite {unknown[0]!r}; suites: {', '.join(SUITES)}")
     out = out or sys.stdout
     started = time.perf_counter()
-    rows = ceiling_rows(quick)
+    on_gpu = [n for n in names if n in GPU_SUITES]
+    if on_gpu and not quick and not _gpu_available():
+        raise ValueError(f"suite {on_gpu[0]!r} needs a CUDA GPU (none here); run it on a GPU machine, or "
+                         f"--quick for a toy run under the simulator")
+    rows = ceiling_rows(quick) if on_gpu else []
     for name in names:
         suite_start = time.perf_counter()
         progress(f"suite {name} ...")
@@ -44,6 +49,14 @@ def run(suites: Optional[Iterable[str]] = None, json: bool = False, quick: bool 
     else:
         out.write(format_table(rows) + "\n")
     return rows
+
+
+def _gpu_available() -> bool:
+    from numba import cuda
+    try:
+        return bool(cuda.is_available())
+    except Exception:  # no driver at all
+        return False
 
 
 def main(argv: Optional[list[str]] = None) -> int:
