@@ -225,9 +225,9 @@ class DeviceModel:
             raise ValueError(f"cache capacity must be in 1..{self.max_cache_rows}, got {capacity!r}")
         return DeviceCache(self.cfg, int(capacity))
 
-    def forward(self, cache: DeviceCache, tokens, positions, visibility=None) -> DeviceLogits:
-        """Logits float32 [s, V] (on the device; np.asarray gives the host copy) for ``tokens`` at ``positions``;
-        writes cache rows length..length+s-1."""
+    def forward(self, cache: DeviceCache, tokens, positions, visibility=None):
+        """Logits float32 [s, V] for ``tokens`` at ``positions`` (cuda: DeviceLogits, left on the device;
+        sim: a numpy array); writes cache rows length..length+s-1."""
         cfg, ops = self.cfg, self.ops
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
@@ -253,7 +253,10 @@ class DeviceModel:
             normed = rmsnorm.add_rms_norm(attn, residual, layer["post_norm"], cfg.rms_norm_eps)
             delta = self._moe(layer, normed) if cfg.is_moe_layer(i) else self._dense_ffn(layer, normed)
         normed = rmsnorm.add_rms_norm(delta, residual, self.final_norm, cfg.rms_norm_eps)
-        return DeviceLogits(ops.linear(normed, self.lm_head), ops.to_host)
+        logits = ops.linear(normed, self.lm_head)
+        if self.backend == "sim":  # no real device: records read the host array directly (the simulated
+            return ops.to_host(logits)  # top-k kernel would cost seconds per step in Python)
+        return DeviceLogits(logits, ops.to_host)
 
     def _attention(self, i, layer, x, cache, positions, mask):
         cfg, ops = self.cfg, self.ops

@@ -122,14 +122,15 @@ def test_k2_mini_ddtree_noisy_budgets(k2_mini, budget):
 
 @pytest.mark.sim
 def test_device_logits_topk_and_rows_equal_the_host_versions():
-    from engine import records
+    from numba import cuda
 
-    engine = api.load("tiny", backend=_device_backend(), seed=1)
-    cache = engine.model.new_cache(16)
-    logits = engine.model.forward(cache, np.array([5, 9, 5, 200]), np.arange(4))
-    rows = logits.rows([3, 0])  # before any full host copy exists
-    device_topk = records.target_topk(logits)
-    host = np.asarray(logits)
-    np.testing.assert_array_equal(rows, host[[3, 0]])
-    for ours, theirs in zip(device_topk, records.target_topk(host)):
+    from engine import records
+    from engine.device_model import DeviceLogits
+
+    rng = np.random.default_rng(4)
+    host = rng.standard_normal((5, 300)).astype(np.float32)
+    host[1, 7] = host[1, 9] = host[1].max() + 1  # a tie at the top: the lower id wins
+    logits = DeviceLogits(cuda.to_device(host), lambda a: a.copy_to_host())
+    np.testing.assert_array_equal(logits.rows([3, 0]), host[[3, 0]])  # before any full host copy exists
+    for ours, theirs in zip(records.target_topk(logits), records.target_topk(host)):
         np.testing.assert_array_equal(ours, theirs)
