@@ -84,14 +84,25 @@ class _TorchOps:
         x = self._t(x)
         return x if w.dtype == self.torch.float32 else x.to(w.dtype)
 
+    def _product(self, op, a, b):
+        """a @ b (mm or bmm) with an fp32 result. bf16 operands write fp32 straight from the accumulator
+        (out_dtype): a bf16-rounded output would round differently for different row counts (cuBLAS picks
+        its kernel by shape), and a verify forward must agree with the AR forward at near-ties."""
+        if a.dtype == self.torch.float32:
+            return op(a, b)
+        try:
+            return op(a, b, out_dtype=self.torch.float32)
+        except (TypeError, NotImplementedError, RuntimeError):  # torch < 2.9, or no such kernel here
+            return op(a, b).float()
+
     def linear(self, x, w):
-        out = self.torch.nn.functional.linear(self._x(x, w), w)
-        return cuda.as_cuda_array(out.float().contiguous())
+        out = self._product(self.torch.mm, self._x(x, w), w.t())
+        return cuda.as_cuda_array(out.contiguous())
 
     def heads_matmul(self, x, w, transpose_w: bool):
         xh = self._x(x, w).transpose(0, 1)  # [h, s, a]
-        out = self.torch.bmm(xh, w.transpose(1, 2) if transpose_w else w)  # [h, s, b]
-        return cuda.as_cuda_array(out.transpose(0, 1).float().contiguous())
+        out = self._product(self.torch.bmm, xh, w.transpose(1, 2) if transpose_w else w)  # [h, s, b]
+        return cuda.as_cuda_array(out.transpose(0, 1).contiguous())
 
     def to_host(self, x) -> np.ndarray:
         return x.copy_to_host() if hasattr(x, "copy_to_host") else self._t(x).cpu().numpy()
