@@ -69,7 +69,9 @@ def ddtree_step_record(prefix_len, root, draft_ids, draft_logprobs, tree, logits
     tau = len(accepted)
     topk_ids, topk_logits, margin = target_topk(logits)
     # The accepted nodes' logits chose the committed tokens, at positions P+1 .. P+tau.
-    accepted_logits = logits.rows(accepted) if hasattr(logits, "rows") else np.asarray(logits)[accepted]
+    # Only a golden comparison needs the accepted rows' full logits (tau x V floats from the device).
+    accepted_logits = (None if golden is None else
+                       logits.rows(accepted) if hasattr(logits, "rows") else np.asarray(logits)[accepted])
     golden_tokens, logit_diff = golden_agreement(accepted_logits, prefix_len + 1 + np.arange(tau),
                                                  len(prompt), golden)
     record = {
