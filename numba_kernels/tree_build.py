@@ -212,10 +212,28 @@ class TreeBatch:
     def to_host(self) -> dict:
         return {name: getattr(self, name).copy_to_host() for name in self.__dataclass_fields__}
 
+    @classmethod
+    def allocate(cls, batch: int, budget: int) -> "TreeBatch":
+        """Output buffers for b requests at budget B (reusable across launches of that shape)."""
+        nodes = budget + 1
+        words = (nodes + 31) // 32
+        return cls(tokens=cuda.device_array((batch, nodes), np.int32),
+                   parents=cuda.device_array((batch, nodes), np.int32),
+                   depths=cuda.device_array((batch, nodes), np.int32),
+                   ranks=cuda.device_array((batch, nodes), np.int32),
+                   scores=cuda.device_array((batch, nodes), np.float32),
+                   positions=cuda.device_array((batch, nodes), np.int32),
+                   num_nodes=cuda.device_array(batch, np.int32),
+                   visibility=cuda.device_array((batch, nodes, words), np.uint32))
 
-def build_trees(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget: int, threads: int = BUILD_THREADS
-                ) -> TreeBatch:
-    """Build b trees in one launch. Inputs numpy or device arrays (see build_trees_kernel)."""
+    def fits(self, batch: int, budget: int) -> bool:
+        return tuple(self.tokens.shape) == (batch, budget + 1)
+
+
+def build_trees(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget: int, threads: int = BUILD_THREADS,
+                out: TreeBatch | None = None) -> TreeBatch:
+    """Build b trees in one launch. Inputs numpy or device arrays (see build_trees_kernel); ``out``: buffers
+    from TreeBatch.allocate(b, budget) to reuse (every slot is rewritten)."""
     if len(draft_logprobs.shape) != 3 or tuple(draft_ids.shape) != tuple(draft_logprobs.shape):
         raise ValueError(f"draft_logprobs {draft_logprobs.shape} and draft_ids {draft_ids.shape} must both be [b, L, K]")
     if draft_logprobs.dtype != np.float32:
@@ -229,18 +247,10 @@ def build_trees(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget: int
         raise ValueError(f"budget must be in 0..{MAX_BUDGET}, got {budget}")
     if batch == 0:
         raise ValueError("need at least one request")
-    nodes = budget + 1
-    words = (nodes + 31) // 32
-    out = TreeBatch(
-        tokens=cuda.device_array((batch, nodes), np.int32),
-        parents=cuda.device_array((batch, nodes), np.int32),
-        depths=cuda.device_array((batch, nodes), np.int32),
-        ranks=cuda.device_array((batch, nodes), np.int32),
-        scores=cuda.device_array((batch, nodes), np.float32),
-        positions=cuda.device_array((batch, nodes), np.int32),
-        num_nodes=cuda.device_array(batch, np.int32),
-        visibility=cuda.device_array((batch, nodes, words), np.uint32),
-    )
+    if out is None:
+        out = TreeBatch.allocate(batch, budget)
+    elif not out.fits(batch, budget):
+        raise ValueError(f"out holds trees of shape {tuple(out.tokens.shape)}, need ({batch}, {budget + 1})")
     build_trees_kernel[batch, threads](to_device(draft_logprobs), to_device(draft_ids), to_device(root_tokens),
                                        to_device(prefix_lens), budget, out.tokens, out.parents, out.depths, out.ranks,
                                        out.scores, out.positions, out.num_nodes, out.visibility)

@@ -149,6 +149,22 @@ def test_build_trees_launcher_checks_and_returns_device_arrays():
         tree_build.build_trees(logprobs, ids, np.array([1]), np.array([4, 5]), 5)
 
 
+@pytest.mark.sim
+def test_build_trees_reuses_output_buffers():
+    """A reused TreeBatch is fully rewritten: a second, smaller build leaves nothing of the first."""
+    rng = np.random.default_rng(8)
+    buffers = tree_build.TreeBatch.allocate(3, 6)
+    for top_k in (3, 1):  # K = 1 builds a chain: fewer nodes than the first build's
+        logprobs, ids = random_drafts(rng, 3, 4, top_k, 2)
+        roots, prefix = np.array([7, 8, 9]), np.array([0, 3, 6])
+        out = tree_build.build_trees(logprobs, ids, roots, prefix, 6, out=buffers)
+        assert out is buffers
+        got, exp = out.to_host(), expected_build(logprobs, ids, roots, prefix, 6)
+        assert all(got[name].tobytes() == exp[name].tobytes() for name in exp)
+    with pytest.raises(ValueError, match="out holds trees"):
+        tree_build.build_trees(logprobs, ids, roots, prefix, 5, out=buffers)
+
+
 # --- accept --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", range(40))
