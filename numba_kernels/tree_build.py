@@ -17,6 +17,9 @@ from numba_kernels.warp import ON_SIMULATOR, to_device
 MAX_BUDGET = 1024
 MAX_NODES = MAX_BUDGET + 1
 MAX_WORDS = (MAX_NODES + 31) // 32
+# The serial heap loop reads a log-prob per push; staged in shared memory when L*K fits (7 node/heap arrays
+# take 28.7 KB, this 16 KB: under the 48 KB static limit), so the loop's dependent loads hit shared memory.
+LP_CACHE = 4096
 # The simulator runs every thread as a Python thread: keep its blocks tiny.
 BUILD_THREADS = 4 if ON_SIMULATOR else 128
 
@@ -125,8 +128,14 @@ def build_trees_kernel(draft_logprobs, draft_ids, root_tokens, prefix_lens, budg
     heap_parent = cuda.shared.array(MAX_NODES, int32)
     heap_rank = cuda.shared.array(MAX_NODES, int32)
     node_count = cuda.shared.array(1, int32)
+    lp_cache = cuda.shared.array(LP_CACHE, float32)
     depth_limit = draft_logprobs.shape[1]
     top_k = draft_logprobs.shape[2]
+    cached = depth_limit * top_k <= LP_CACHE
+    if cached:
+        for idx in range(tid, depth_limit * top_k, cuda.blockDim.x):
+            lp_cache[idx] = draft_logprobs[request, idx // top_k, idx % top_k]
+    cuda.syncthreads()  # the staged log-probs are complete before thread 0 reads them
 
     if tid == 0:
         node_parent[0] = -1
@@ -136,7 +145,8 @@ def build_trees_kernel(draft_logprobs, draft_ids, root_tokens, prefix_lens, budg
         count = 1
         size = 0
         if depth_limit > 0 and top_k > 0 and budget > 0:
-            size = _heap_push(size, float32(0.0) + draft_logprobs[request, 0, 0], 0, 0, heap_score, heap_parent,
+            first = lp_cache[0] if cached else draft_logprobs[request, 0, 0]
+            size = _heap_push(size, float32(0.0) + first, 0, 0, heap_score, heap_parent,
                               heap_rank, node_parent, node_depth, node_rank)
         while size > 0 and count <= budget:
             score = heap_score[0]
@@ -153,11 +163,13 @@ def build_trees_kernel(draft_logprobs, draft_ids, root_tokens, prefix_lens, budg
             if count > budget:
                 break  # budget reached: no more pops, so no pushes needed
             if rank + 1 < top_k:  # next sibling, scored from the parent (not score - lp + lp')
-                sibling = node_score[parent] + draft_logprobs[request, depth - 1, rank + 1]
+                lp = lp_cache[(depth - 1) * top_k + rank + 1] if cached else draft_logprobs[request, depth - 1, rank + 1]
+                sibling = node_score[parent] + lp
                 size = _heap_push(size, sibling, parent, rank + 1, heap_score, heap_parent, heap_rank, node_parent,
                                   node_depth, node_rank)
             if depth < depth_limit:  # first child
-                child = score + draft_logprobs[request, depth, 0]
+                lp = lp_cache[depth * top_k] if cached else draft_logprobs[request, depth, 0]
+                child = score + lp
                 size = _heap_push(size, child, node, 0, heap_score, heap_parent, heap_rank, node_parent,
                                   node_depth, node_rank)
         node_count[0] = count
