@@ -13,7 +13,7 @@ import numpy as np
 from numba import cuda, uint32
 
 from numba_kernels.rmsnorm import as_device_array, is_device_array
-from numba_kernels.warp import ON_SIMULATOR
+from numba_kernels.warp import ON_SIMULATOR, row_blocks
 
 EMBED_THREADS = 8 if ON_SIMULATOR else 256
 QUIET_NAN_BITS = 0x7FC00000
@@ -22,31 +22,33 @@ BF16_DTYPES = (np.int16, np.uint16)
 
 @cuda.jit
 def embed_float32_kernel(table, token_ids, out):
-    """table float32 [V, d]; token_ids int [s]; out float32 [s, d]. Grid (s, ceil(d / threads))."""
-    token = cuda.blockIdx.x
+    """table float32 [V, d]; token_ids int [s]; out float32 [s, d]. Grid (row_blocks(s), ceil(d / threads)),
+    grid-stride over tokens."""
     column = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     if column >= out.shape[1]:
         return
-    row = token_ids[token]
-    if row < 0 or row >= table.shape[0]:
-        out[token, column] = math.nan
-    else:
-        out[token, column] = table[row, column]
+    for token in range(cuda.blockIdx.x, token_ids.shape[0], cuda.gridDim.x):
+        row = token_ids[token]
+        if row < 0 or row >= table.shape[0]:
+            out[token, column] = math.nan
+        else:
+            out[token, column] = table[row, column]
 
 
 @cuda.jit
 def embed_bf16_kernel(table_bits, token_ids, out_bits):
-    """table_bits int16/uint16 [V, d] (bf16 patterns); out_bits: uint32 view of the float32 [s, d] output."""
-    token = cuda.blockIdx.x
+    """table_bits int16/uint16 [V, d] (bf16 patterns); out_bits: uint32 view of the float32 [s, d] output.
+    Grid as embed_float32_kernel."""
     column = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     if column >= out_bits.shape[1]:
         return
-    row = token_ids[token]
-    if row < 0 or row >= table_bits.shape[0]:
-        out_bits[token, column] = uint32(QUIET_NAN_BITS)
-    else:
-        # mask first: an int16 pattern sign-extends when widened
-        out_bits[token, column] = (uint32(table_bits[row, column]) & uint32(0xFFFF)) << uint32(16)
+    for token in range(cuda.blockIdx.x, token_ids.shape[0], cuda.gridDim.x):
+        row = token_ids[token]
+        if row < 0 or row >= table_bits.shape[0]:
+            out_bits[token, column] = uint32(QUIET_NAN_BITS)
+        else:
+            # mask first: an int16 pattern sign-extends when widened
+            out_bits[token, column] = (uint32(table_bits[row, column]) & uint32(0xFFFF)) << uint32(16)
 
 
 def embed_tokens(table, token_ids, out=None, stream=0):
@@ -72,7 +74,7 @@ def embed_tokens(table, token_ids, out=None, stream=0):
         raise ValueError(f"out must be float32 [{tokens}, {width}], got {out.dtype} {tuple(out.shape)}")
     if tokens == 0 or width == 0:
         return out
-    grid = (tokens, (width + EMBED_THREADS - 1) // EMBED_THREADS)
+    grid = (row_blocks(tokens), (width + EMBED_THREADS - 1) // EMBED_THREADS)
     if table.dtype == np.float32:
         embed_float32_kernel[grid, EMBED_THREADS, stream](table, token_ids, out)
     else:

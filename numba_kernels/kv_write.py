@@ -1,4 +1,5 @@
-"""Cache write of s new tokens, fused with kv_a_layernorm and RoPE on k_pe: one block per token.
+"""Cache write of s new tokens, fused with kv_a_layernorm and RoPE on k_pe: one block per token
+(grid-stride over tokens: the simulator runs one block, numba_kernels.warp.row_blocks).
 
 kv_a = kv_a_proj_with_mqa(x) is [s, c + r] = [latent | k_pe]. Row i of the result goes to cache row
 cache_start + i of one layer: [rms_norm(latent) * kv_norm_weight | rope(k_pe, positions[i])].
@@ -14,7 +15,7 @@ from numba import cuda, float32
 
 from numba_kernels.rmsnorm import inverse_rms, as_device_array, is_device_array
 from numba_kernels.rope import RopeTable, check_positions, rotate_pair
-from numba_kernels.warp import ON_SIMULATOR, block_sum
+from numba_kernels.warp import ON_SIMULATOR, block_sum, row_blocks
 
 KV_THREADS = 4 if ON_SIMULATOR else 256  # power of two (block_sum)
 
@@ -22,30 +23,31 @@ KV_THREADS = 4 if ON_SIMULATOR else 256  # power of two (block_sum)
 @cuda.jit
 def write_kv_rows_kernel(kv_a, kv_norm_weight, eps, cos_table, sin_table, positions, cache, layer, cache_start):
     """kv_a float32 [s, c+r]; kv_norm_weight float32 [c]; positions int64 [s];
-    cache float32 [layers, t, c+r]: rows cache_start .. cache_start+s-1 of `layer` written. Grid (s,)."""
-    token = cuda.blockIdx.x
+    cache float32 [layers, t, c+r]: rows cache_start .. cache_start+s-1 of `layer` written.
+    Grid (row_blocks(s),), grid-stride over tokens."""
     scratch = cuda.shared.array(KV_THREADS, float32)
     latent = kv_norm_weight.shape[0]
     pairs = (kv_a.shape[1] - latent) // 2
-    row = cache_start + token
-    partial = float32(0.0)
-    for j in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
-        value = kv_a[token, j]
-        partial += value * value
-    inv = inverse_rms(block_sum(partial, scratch), latent, eps)
-    for j in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
-        cache[layer, row, j] = kv_a[token, j] * inv * kv_norm_weight[j]
-    position = positions[token]
-    in_table = position >= 0 and position < cos_table.shape[0]
-    for pair in range(cuda.threadIdx.x, pairs, cuda.blockDim.x):
-        column = latent + 2 * pair
-        if in_table:
-            even, odd = rotate_pair(kv_a[token, column], kv_a[token, column + 1],
-                                    cos_table[position, pair], sin_table[position, pair])
-        else:
-            even, odd = float32(math.nan), float32(math.nan)
-        cache[layer, row, column] = even
-        cache[layer, row, column + 1] = odd
+    for token in range(cuda.blockIdx.x, kv_a.shape[0], cuda.gridDim.x):  # block-uniform: block_sum syncs
+        row = cache_start + token
+        partial = float32(0.0)
+        for j in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
+            value = kv_a[token, j]
+            partial += value * value
+        inv = inverse_rms(block_sum(partial, scratch), latent, eps)
+        for j in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
+            cache[layer, row, j] = kv_a[token, j] * inv * kv_norm_weight[j]
+        position = positions[token]
+        in_table = position >= 0 and position < cos_table.shape[0]
+        for pair in range(cuda.threadIdx.x, pairs, cuda.blockDim.x):
+            column = latent + 2 * pair
+            if in_table:
+                even, odd = rotate_pair(kv_a[token, column], kv_a[token, column + 1],
+                                        cos_table[position, pair], sin_table[position, pair])
+            else:
+                even, odd = float32(math.nan), float32(math.nan)
+            cache[layer, row, column] = even
+            cache[layer, row, column + 1] = odd
 
 
 def write_kv_rows(cache, layer: int, cache_start: int, kv_a, kv_norm_weight, eps: float, table: RopeTable,
@@ -74,6 +76,6 @@ def write_kv_rows(cache, layer: int, cache_start: int, kv_a, kv_norm_weight, eps
         raise ValueError(f"eps must be positive, got {eps}")
     positions = check_positions(positions, tokens, table)
     if tokens:
-        write_kv_rows_kernel[tokens, KV_THREADS, stream](kv_a, kv_norm_weight, np.float32(eps), table.cos,
-                                                         table.sin, positions, cache, layer, cache_start)
+        write_kv_rows_kernel[row_blocks(tokens), KV_THREADS, stream](
+            kv_a, kv_norm_weight, np.float32(eps), table.cos, table.sin, positions, cache, layer, cache_start)
     return cache

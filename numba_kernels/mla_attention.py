@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from numba_kernels.rmsnorm import as_device_array, is_device_array
-from numba_kernels.warp import ON_SIMULATOR
+from numba_kernels.warp import ON_SIMULATOR, row_blocks
 
 if ON_SIMULATOR:  # toy shapes: every simulated thread is a Python thread
     THREADS, ROW_TILE, KEY_TILE, Q_CHUNK = 8, 8, 4, 4
@@ -81,7 +81,8 @@ def load_q(q_lat, q_pe, row0, d0, index):
 def mla_attention_split_kernel(q_lat, q_pe, cache, prefix_len, visibility, scale, keys_per_split, direct,
                                out, o_part, lse_part):
     """q_lat float32 [s, h, c]; q_pe float32 [s, h, r]; cache float32 [t, c+r] (one layer, rows < P + s used);
-    visibility uint32 [s, ceil(s/32)]; scale float32. Grid (ceil(s*h / ROW_TILE), splits), THREADS threads.
+    visibility uint32 [s, ceil(s/32)]; scale float32. Grid (row_blocks(ceil(s*h / ROW_TILE)), splits), THREADS
+    threads; grid-stride over the row tiles.
     direct: write out [s, h, c] (one split); else o_part [splits, s, h, c] (normalised) and lse_part
     [splits, s, h] (-inf and zeros for a split where the row sees nothing)."""
     tid = cuda.threadIdx.x
@@ -90,7 +91,6 @@ def mla_attention_split_kernel(q_lat, q_pe, cache, prefix_len, visibility, scale
     width = latent + q_pe.shape[2]
     padded_width = (width + Q_CHUNK - 1) // Q_CHUNK * Q_CHUNK
     rows = tokens * heads
-    row0 = cuda.blockIdx.x * ROW_TILE
     key_begin = split * keys_per_split
     key_end = min(prefix_len + tokens, key_begin + keys_per_split)
 
@@ -108,126 +108,130 @@ def mla_attention_split_kernel(q_lat, q_pe, cache, prefix_len, visibility, scale
     a_row_group = tid // A_KEY_GROUPS
     c_col_group = tid % C_COL_GROUPS
     c_row_group = tid // C_COL_GROUPS
-    if tid < ROW_TILE:
-        row_max[tid] = -math.inf
-        row_sum[tid] = 0.0
-    for k in range(C_ROWS * C_COLS):
-        acc_o[k] = 0.0
-
-    for tile_begin in range(key_begin, key_end, KEY_TILE):
-        cuda.syncthreads()  # the previous tile's phase C is done with keys_s / p_s; row state initialised
-        for index in range(tid, KEY_TILE * padded_width, THREADS):
-            n = index // padded_width
-            column = index - n * padded_width
-            key = tile_begin + n
-            keys_s[n, column] = cache[key, column] if key < key_end and column < width else 0.0
-        for k in range(A_ROWS * A_KEYS):
-            acc_s[k] = 0.0
-        # ---- A: scores of the tile; q streams through q_s in chunks of Q_CHUNK dimensions, the next chunk
-        # prefetched into registers while this one is used (hides the global-load latency)
-        for k in range(Q_LOADS):
-            q_next[k] = load_q(q_lat, q_pe, row0, 0, tid + THREADS * k)
-        for d0 in range(0, padded_width, Q_CHUNK):
-            for k in range(Q_LOADS):
-                index = tid + THREADS * k
-                q_s[index // Q_CHUNK, index % Q_CHUNK] = q_next[k]
-            cuda.syncthreads()  # q chunk (and, on the first chunk, the key tile) stored
-            if d0 + Q_CHUNK < padded_width:
-                for k in range(Q_LOADS):
-                    q_next[k] = load_q(q_lat, q_pe, row0, d0 + Q_CHUNK, tid + THREADS * k)
-            for dd in range(Q_CHUNK):
-                for i in range(A_ROWS):
-                    q = q_s[a_row_group + A_ROW_GROUPS * i, dd]
-                    for j in range(A_KEYS):
-                        acc_s[i * A_KEYS + j] += q * keys_s[a_key_group + A_KEY_GROUPS * j, d0 + dd]
-            cuda.syncthreads()  # all threads done with this q chunk before the next overwrites it
-        for i in range(A_ROWS):
-            m = a_row_group + A_ROW_GROUPS * i
-            row = row0 + m
-            token = row // heads
-            for j in range(A_KEYS):
-                n = a_key_group + A_KEY_GROUPS * j
-                key = tile_begin + n
-                visible = row < rows and key < key_end and key_visible(token, key, prefix_len, visibility)
-                p_s[m, n] = acc_s[i * A_KEYS + j] * scale if visible else -math.inf
-        cuda.syncthreads()  # scores stored before the row softmax reads them
-        # ---- B: online softmax, one thread per row
+    for row0 in range(cuda.blockIdx.x * ROW_TILE, rows, cuda.gridDim.x * ROW_TILE):  # block-uniform
+        cuda.syncthreads()  # the previous row tile's write-out has read row_sum / row_max
         if tid < ROW_TILE:
-            old_max = row_max[tid]
-            new_max = old_max
-            for n in range(KEY_TILE):
-                new_max = max(new_max, p_s[tid, n])
-            total = float32(0.0)
-            if new_max == -math.inf:  # nothing visible yet: exp(-inf - -inf) would be NaN
-                alpha = float32(1.0)
-                for n in range(KEY_TILE):
-                    p_s[tid, n] = 0.0
-            else:
-                alpha = math.exp(old_max - new_max)  # 0 when old_max is -inf
-                for n in range(KEY_TILE):
-                    p = math.exp(p_s[tid, n] - new_max)
-                    p_s[tid, n] = p
-                    total += p
-            row_max[tid] = new_max
-            row_sum[tid] = row_sum[tid] * alpha + total
-            row_alpha[tid] = alpha
-        cuda.syncthreads()  # probabilities and rescale factors ready
-        # ---- C: o = o * alpha + p @ keys[:, :c]
-        for i in range(C_ROWS):
-            alpha = row_alpha[c_row_group + C_ROW_GROUPS * i]
-            for k in range(C_COLS):
-                acc_o[i * C_COLS + k] *= alpha
-        for n in range(KEY_TILE):
-            for i in range(C_ROWS):
-                p = p_s[c_row_group + C_ROW_GROUPS * i, n]
-                for k in range(C_COLS):
-                    acc_o[i * C_COLS + k] += p * keys_s[n, c_col_group + C_COL_GROUPS * k]
-    cuda.syncthreads()  # row state final (also when this split had no key tile)
+            row_max[tid] = -math.inf
+            row_sum[tid] = 0.0
+        for k in range(C_ROWS * C_COLS):
+            acc_o[k] = 0.0
 
-    for i in range(C_ROWS):
-        m = c_row_group + C_ROW_GROUPS * i
-        row = row0 + m
-        if row >= rows:
-            continue
-        token = row // heads
-        head = row - token * heads
-        total = row_sum[m]
-        if direct:
-            inv = float32(1.0) / total if total > 0 else float32(math.nan)  # NaN: the query saw no key
-            for k in range(C_COLS):
-                column = c_col_group + C_COL_GROUPS * k
-                if column < latent:
-                    out[token, head, column] = acc_o[i * C_COLS + k] * inv
-        else:
-            inv = float32(1.0) / total if total > 0 else float32(0.0)
-            for k in range(C_COLS):
-                column = c_col_group + C_COL_GROUPS * k
-                if column < latent:
-                    o_part[split, token, head, column] = acc_o[i * C_COLS + k] * inv
-            if c_col_group == 0:
-                lse_part[split, token, head] = row_max[m] + math.log(total) if total > 0 else -math.inf
+        for tile_begin in range(key_begin, key_end, KEY_TILE):
+            cuda.syncthreads()  # the previous tile's phase C is done with keys_s / p_s; row state initialised
+            for index in range(tid, KEY_TILE * padded_width, THREADS):
+                n = index // padded_width
+                column = index - n * padded_width
+                key = tile_begin + n
+                keys_s[n, column] = cache[key, column] if key < key_end and column < width else 0.0
+            for k in range(A_ROWS * A_KEYS):
+                acc_s[k] = 0.0
+            # ---- A: scores of the tile; q streams through q_s in chunks of Q_CHUNK dimensions, the next chunk
+            # prefetched into registers while this one is used (hides the global-load latency)
+            for k in range(Q_LOADS):
+                q_next[k] = load_q(q_lat, q_pe, row0, 0, tid + THREADS * k)
+            for d0 in range(0, padded_width, Q_CHUNK):
+                for k in range(Q_LOADS):
+                    index = tid + THREADS * k
+                    q_s[index // Q_CHUNK, index % Q_CHUNK] = q_next[k]
+                cuda.syncthreads()  # q chunk (and, on the first chunk, the key tile) stored
+                if d0 + Q_CHUNK < padded_width:
+                    for k in range(Q_LOADS):
+                        q_next[k] = load_q(q_lat, q_pe, row0, d0 + Q_CHUNK, tid + THREADS * k)
+                for dd in range(Q_CHUNK):
+                    for i in range(A_ROWS):
+                        q = q_s[a_row_group + A_ROW_GROUPS * i, dd]
+                        for j in range(A_KEYS):
+                            acc_s[i * A_KEYS + j] += q * keys_s[a_key_group + A_KEY_GROUPS * j, d0 + dd]
+                cuda.syncthreads()  # all threads done with this q chunk before the next overwrites it
+            for i in range(A_ROWS):
+                m = a_row_group + A_ROW_GROUPS * i
+                row = row0 + m
+                token = row // heads
+                for j in range(A_KEYS):
+                    n = a_key_group + A_KEY_GROUPS * j
+                    key = tile_begin + n
+                    visible = row < rows and key < key_end and key_visible(token, key, prefix_len, visibility)
+                    p_s[m, n] = acc_s[i * A_KEYS + j] * scale if visible else -math.inf
+            cuda.syncthreads()  # scores stored before the row softmax reads them
+            # ---- B: online softmax, one thread per row
+            if tid < ROW_TILE:
+                old_max = row_max[tid]
+                new_max = old_max
+                for n in range(KEY_TILE):
+                    new_max = max(new_max, p_s[tid, n])
+                total = float32(0.0)
+                if new_max == -math.inf:  # nothing visible yet: exp(-inf - -inf) would be NaN
+                    alpha = float32(1.0)
+                    for n in range(KEY_TILE):
+                        p_s[tid, n] = 0.0
+                else:
+                    alpha = math.exp(old_max - new_max)  # 0 when old_max is -inf
+                    for n in range(KEY_TILE):
+                        p = math.exp(p_s[tid, n] - new_max)
+                        p_s[tid, n] = p
+                        total += p
+                row_max[tid] = new_max
+                row_sum[tid] = row_sum[tid] * alpha + total
+                row_alpha[tid] = alpha
+            cuda.syncthreads()  # probabilities and rescale factors ready
+            # ---- C: o = o * alpha + p @ keys[:, :c]
+            for i in range(C_ROWS):
+                alpha = row_alpha[c_row_group + C_ROW_GROUPS * i]
+                for k in range(C_COLS):
+                    acc_o[i * C_COLS + k] *= alpha
+            for n in range(KEY_TILE):
+                for i in range(C_ROWS):
+                    p = p_s[c_row_group + C_ROW_GROUPS * i, n]
+                    for k in range(C_COLS):
+                        acc_o[i * C_COLS + k] += p * keys_s[n, c_col_group + C_COL_GROUPS * k]
+        cuda.syncthreads()  # row state final (also when this split had no key tile)
+
+        for i in range(C_ROWS):
+            m = c_row_group + C_ROW_GROUPS * i
+            row = row0 + m
+            if row >= rows:
+                continue
+            token = row // heads
+            head = row - token * heads
+            total = row_sum[m]
+            if direct:
+                inv = float32(1.0) / total if total > 0 else float32(math.nan)  # NaN: the query saw no key
+                for k in range(C_COLS):
+                    column = c_col_group + C_COL_GROUPS * k
+                    if column < latent:
+                        out[token, head, column] = acc_o[i * C_COLS + k] * inv
+            else:
+                inv = float32(1.0) / total if total > 0 else float32(0.0)
+                for k in range(C_COLS):
+                    column = c_col_group + C_COL_GROUPS * k
+                    if column < latent:
+                        o_part[split, token, head, column] = acc_o[i * C_COLS + k] * inv
+                if c_col_group == 0:
+                    lse_part[split, token, head] = row_max[m] + math.log(total) if total > 0 else -math.inf
 
 
 @cuda.jit
 def merge_splits_kernel(o_part, lse_part, splits, out):
-    """out[i, h] = sum_j exp(lse_j - lse_max) o_part[j, i, h] / sum_j exp(lse_j - lse_max). Grid (s*h,)."""
+    """out[i, h] = sum_j exp(lse_j - lse_max) o_part[j, i, h] / sum_j exp(lse_j - lse_max).
+    Grid (row_blocks(s*h),), grid-stride over the s*h rows."""
     heads, latent = out.shape[1], out.shape[2]
-    token = cuda.blockIdx.x // heads
-    head = cuda.blockIdx.x - token * heads
-    best = float32(-math.inf)
-    for j in range(splits):
-        best = max(best, lse_part[j, token, head])
-    total = float32(0.0)
-    for j in range(splits):
-        total += math.exp(lse_part[j, token, head] - best) if best != -math.inf else float32(0.0)
-    inv = float32(1.0) / total if total > 0 else float32(math.nan)  # NaN: the query saw no key
-    for column in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
-        acc = float32(0.0)
+    for row in range(cuda.blockIdx.x, out.shape[0] * heads, cuda.gridDim.x):
+        token = row // heads
+        head = row - token * heads
+        best = float32(-math.inf)
         for j in range(splits):
-            lse = lse_part[j, token, head]
-            if lse != -math.inf:
-                acc += math.exp(lse - best) * o_part[j, token, head, column]
-        out[token, head, column] = acc * inv
+            best = max(best, lse_part[j, token, head])
+        total = float32(0.0)
+        for j in range(splits):
+            total += math.exp(lse_part[j, token, head] - best) if best != -math.inf else float32(0.0)
+        inv = float32(1.0) / total if total > 0 else float32(math.nan)  # NaN: the query saw no key
+        for column in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
+            acc = float32(0.0)
+            for j in range(splits):
+                lse = lse_part[j, token, head]
+                if lse != -math.inf:
+                    acc += math.exp(lse - best) * o_part[j, token, head, column]
+            out[token, head, column] = acc * inv
 
 
 # ------------------------------------------------------------------------------------------- host side
@@ -315,7 +319,7 @@ def mla_attention(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: 
     keys_per_split = -(-total_keys // splits)
     keys_per_split = -(-keys_per_split // KEY_TILE) * KEY_TILE
     splits = -(-total_keys // keys_per_split)  # rounding to whole key tiles may leave fewer splits
-    grid = ((rows + ROW_TILE - 1) // ROW_TILE, splits)
+    grid = (row_blocks((rows + ROW_TILE - 1) // ROW_TILE), splits)
     if splits == 1:
         dummy = cuda.device_array((1, 1, 1, 1), dtype=np.float32, stream=stream)
         mla_attention_split_kernel[grid, THREADS, stream](q_lat, q_pe, cache_layer, prefix_len, visibility,
@@ -327,5 +331,5 @@ def mla_attention(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: 
     mla_attention_split_kernel[grid, THREADS, stream](q_lat, q_pe, cache_layer, prefix_len, visibility,
                                                       np.float32(scale), keys_per_split, False, out, o_part,
                                                       lse_part)
-    merge_splits_kernel[rows, MERGE_THREADS, stream](o_part, lse_part, splits, out)
+    merge_splits_kernel[row_blocks(rows), MERGE_THREADS, stream](o_part, lse_part, splits, out)
     return out

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32
 
-from .warp import ON_SIMULATOR, USE_SHUFFLE, WARP_SIZE, _warp_sum
+from .warp import ON_SIMULATOR, USE_SHUFFLE, WARP_SIZE, _warp_sum, row_blocks
 
 # Launch shapes. The simulator runs every thread as Python: fewer warps per block keeps it quick.
 WARPS_PER_BLOCK = 1 if ON_SIMULATOR else 8
@@ -223,13 +223,8 @@ def _make_gate_up(load_pair):
     def gate_up(x, w_gate_up, n_words, f, k, expert_offsets, sorted_pairs, active_experts, n_active, act):
         """act[row, i] = silu(gate_i . x_t) * (up_i . x_t) for sorted row ``row`` (pair sorted_pairs[row],
         token t = pair // k). x float32 [s, d]; w_gate_up [e, 2f, d] (see load_pair); act float32 [P, f].
-        Grid: (ceil(f / rows per block), max active experts)."""
-        if cuda.blockIdx.y >= n_active[0]:
-            return  # the whole block leaves: no expert for it
+        Grid: (ceil(f / rows per block), row_blocks(max active experts)), grid-stride over active experts."""
         scratch = cuda.shared.array((GATE_ACC, TOKENS_PER_PASS, SCRATCH_THREADS), float32)
-        expert = active_experts[cuda.blockIdx.y]
-        begin = expert_offsets[expert]
-        end = expert_offsets[expert + 1]
         lane = cuda.threadIdx.x % LANES
         first_row = (cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // LANES) * GATE_ROWS_PER_WARP
         # weight rows of this warp: its gate rows, then the matching up rows (f further down)
@@ -242,26 +237,31 @@ def _make_gate_up(load_pair):
         acc = cuda.local.array((GATE_ACC, TOKENS_PER_PASS), float32)
         w_lo = cuda.local.array(GATE_ACC, float32)
         w_hi = cuda.local.array(GATE_ACC, float32)
-        for chunk in range(begin, end, TOKENS_PER_PASS):
-            n_tokens = min(TOKENS_PER_PASS, end - chunk)
-            for t in range(TOKENS_PER_PASS):  # short chunks repeat their last token: no divergent loops
-                tokens[t] = sorted_pairs[chunk + min(t, n_tokens - 1)] // k
-                for r in range(GATE_ACC):
-                    acc[r, t] = 0.0
-            for word in range(lane, n_words, LANES):
-                for r in range(GATE_ACC):
-                    w_lo[r], w_hi[r] = load_pair(w_gate_up, expert, rows[r], word)
-                for t in range(TOKENS_PER_PASS):
-                    x_lo = x[tokens[t], 2 * word]
-                    x_hi = x[tokens[t], 2 * word + 1]
+        for active in range(cuda.blockIdx.y, n_active[0], cuda.gridDim.y):  # block-uniform (syncs inside)
+            expert = active_experts[active]
+            begin = expert_offsets[expert]
+            end = expert_offsets[expert + 1]
+            for chunk in range(begin, end, TOKENS_PER_PASS):
+                n_tokens = min(TOKENS_PER_PASS, end - chunk)
+                for t in range(TOKENS_PER_PASS):  # short chunks repeat their last token: no divergent loops
+                    tokens[t] = sorted_pairs[chunk + min(t, n_tokens - 1)] // k
                     for r in range(GATE_ACC):
-                        acc[r, t] += w_lo[r] * x_lo + w_hi[r] * x_hi
-            reduce_to_lane0(acc, scratch)
-            if lane == 0:
-                for t in range(TOKENS_PER_PASS):  # constant trip counts keep acc in registers
-                    for r in range(GATE_ROWS_PER_WARP):
-                        if t < n_tokens and first_row + r < f:
-                            act[chunk + t, first_row + r] = silu(acc[r, t]) * acc[GATE_ROWS_PER_WARP + r, t]
+                        acc[r, t] = 0.0
+                for word in range(lane, n_words, LANES):
+                    for r in range(GATE_ACC):
+                        w_lo[r], w_hi[r] = load_pair(w_gate_up, expert, rows[r], word)
+                    for t in range(TOKENS_PER_PASS):
+                        x_lo = x[tokens[t], 2 * word]
+                        x_hi = x[tokens[t], 2 * word + 1]
+                        for r in range(GATE_ACC):
+                            acc[r, t] += w_lo[r] * x_lo + w_hi[r] * x_hi
+                reduce_to_lane0(acc, scratch)
+                if lane == 0:
+                    for t in range(TOKENS_PER_PASS):  # constant trip counts keep acc in registers
+                        for r in range(GATE_ROWS_PER_WARP):
+                            if t < n_tokens and first_row + r < f:
+                                up = acc[GATE_ROWS_PER_WARP + r, t]
+                                act[chunk + t, first_row + r] = silu(acc[r, t]) * up
     return gate_up
 
 
@@ -270,14 +270,9 @@ def _make_down(load_pair):
     def down(act, w_down, n_words, expert_offsets, sorted_pairs, active_experts, n_active, pair_out):
         """pair_out[pair, j] = down_j . act[row] for sorted row ``row`` (pair = sorted_pairs[row]).
         act float32 [P, f]; w_down [e, d, f] (see load_pair); pair_out float32 [P, d].
-        Grid: (ceil(d / rows per block), max active experts)."""
-        if cuda.blockIdx.y >= n_active[0]:
-            return  # the whole block leaves: no expert for it
+        Grid: (ceil(d / rows per block), row_blocks(max active experts)), grid-stride over active experts."""
         scratch = cuda.shared.array((DOWN_ROWS_PER_WARP, TOKENS_PER_PASS, SCRATCH_THREADS), float32)
         d = pair_out.shape[1]
-        expert = active_experts[cuda.blockIdx.y]
-        begin = expert_offsets[expert]
-        end = expert_offsets[expert + 1]
         lane = cuda.threadIdx.x % LANES
         first_row = (cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // LANES) * DOWN_ROWS_PER_WARP
         rows = cuda.local.array(DOWN_ROWS_PER_WARP, int32)
@@ -287,27 +282,31 @@ def _make_down(load_pair):
         acc = cuda.local.array((DOWN_ROWS_PER_WARP, TOKENS_PER_PASS), float32)
         w_lo = cuda.local.array(DOWN_ROWS_PER_WARP, float32)
         w_hi = cuda.local.array(DOWN_ROWS_PER_WARP, float32)
-        for chunk in range(begin, end, TOKENS_PER_PASS):
-            n_tokens = min(TOKENS_PER_PASS, end - chunk)
-            for t in range(TOKENS_PER_PASS):
-                act_rows[t] = chunk + min(t, n_tokens - 1)
-                for r in range(DOWN_ROWS_PER_WARP):
-                    acc[r, t] = 0.0
-            for word in range(lane, n_words, LANES):
-                for r in range(DOWN_ROWS_PER_WARP):
-                    w_lo[r], w_hi[r] = load_pair(w_down, expert, rows[r], word)
+        for active in range(cuda.blockIdx.y, n_active[0], cuda.gridDim.y):  # block-uniform (syncs inside)
+            expert = active_experts[active]
+            begin = expert_offsets[expert]
+            end = expert_offsets[expert + 1]
+            for chunk in range(begin, end, TOKENS_PER_PASS):
+                n_tokens = min(TOKENS_PER_PASS, end - chunk)
                 for t in range(TOKENS_PER_PASS):
-                    a_lo = act[act_rows[t], 2 * word]
-                    a_hi = act[act_rows[t], 2 * word + 1]
+                    act_rows[t] = chunk + min(t, n_tokens - 1)
                     for r in range(DOWN_ROWS_PER_WARP):
-                        acc[r, t] += w_lo[r] * a_lo + w_hi[r] * a_hi
-            reduce_to_lane0(acc, scratch)
-            if lane == 0:
-                for t in range(TOKENS_PER_PASS):  # constant trip counts keep acc in registers
-                    pair = sorted_pairs[act_rows[t]]
+                        acc[r, t] = 0.0
+                for word in range(lane, n_words, LANES):
                     for r in range(DOWN_ROWS_PER_WARP):
-                        if t < n_tokens and first_row + r < d:
-                            pair_out[pair, first_row + r] = acc[r, t]
+                        w_lo[r], w_hi[r] = load_pair(w_down, expert, rows[r], word)
+                    for t in range(TOKENS_PER_PASS):
+                        a_lo = act[act_rows[t], 2 * word]
+                        a_hi = act[act_rows[t], 2 * word + 1]
+                        for r in range(DOWN_ROWS_PER_WARP):
+                            acc[r, t] += w_lo[r] * a_lo + w_hi[r] * a_hi
+                reduce_to_lane0(acc, scratch)
+                if lane == 0:
+                    for t in range(TOKENS_PER_PASS):  # constant trip counts keep acc in registers
+                        pair = sorted_pairs[act_rows[t]]
+                        for r in range(DOWN_ROWS_PER_WARP):
+                            if t < n_tokens and first_row + r < d:
+                                pair_out[pair, first_row + r] = acc[r, t]
     return down
 
 
@@ -320,20 +319,21 @@ down_bf16 = _make_down(load_pair_bf16)
 @cuda.jit
 def _combine_slots(pair_out, expert_ids, expert_weights, n_experts, accumulate, y):
     """y[t, j] = (y[t, j] if accumulate else 0) + sum_slot w[t, slot] * pair_out[t*k + slot, j], slots in
-    order; slots with an out-of-range expert id add nothing. Grid: (ceil(d / threads), s)."""
+    order; slots with an out-of-range expert id add nothing. Grid: (ceil(d / threads), row_blocks(s)),
+    grid-stride over tokens."""
     j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    t = cuda.blockIdx.y
     if j >= y.shape[1]:
         return
     k = expert_ids.shape[1]
-    total = float32(0.0)
-    for slot in range(k):
-        expert = expert_ids[t, slot]
-        if 0 <= expert < n_experts:
-            total += expert_weights[t, slot] * pair_out[t * k + slot, j]
-    if accumulate:
-        total = y[t, j] + total
-    y[t, j] = total
+    for t in range(cuda.blockIdx.y, y.shape[0], cuda.gridDim.y):
+        total = float32(0.0)
+        for slot in range(k):
+            expert = expert_ids[t, slot]
+            if 0 <= expert < n_experts:
+                total += expert_weights[t, slot] * pair_out[t * k + slot, j]
+        if accumulate:
+            total = y[t, j] + total
+        y[t, j] = total
 
 
 # ---------------------------------------------------------------------------------------- launchers
@@ -382,12 +382,12 @@ def grouped_swiglu(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, str
         return
     rows_per_block = WARPS_PER_BLOCK * GATE_ROWS_PER_WARP
     gate_up = gate_up_bf16 if gate_is_bf16 else gate_up_f32
-    gate_up[(math.ceil(f / rows_per_block), max_active), FFN_THREADS, stream](
+    gate_up[(math.ceil(f / rows_per_block), row_blocks(max_active)), FFN_THREADS, stream](
         x, w_gate_up, d // 2, f, k, plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active,
         act)
     rows_per_block = WARPS_PER_BLOCK * DOWN_ROWS_PER_WARP
     down = down_bf16 if down_is_bf16 else down_f32
-    down[(math.ceil(d / rows_per_block), max_active), FFN_THREADS, stream](
+    down[(math.ceil(d / rows_per_block), row_blocks(max_active)), FFN_THREADS, stream](
         act, w_down, f // 2, plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active,
         pair_out)
 
@@ -428,6 +428,6 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, out=None, a
     act = cuda.device_array((s * k, f), dtype=np.float32, stream=stream)
     pair_out = cuda.device_array((s * k, d), dtype=np.float32, stream=stream)
     grouped_swiglu(x, k, plan, gate_view, down_view, act, pair_out, stream)
-    _combine_slots[(math.ceil(d / COMBINE_THREADS), s), COMBINE_THREADS, stream](
+    _combine_slots[(math.ceil(d / COMBINE_THREADS), row_blocks(s)), COMBINE_THREADS, stream](
         pair_out, expert_ids, expert_weights, e, accumulate, y)
     return y

@@ -1,4 +1,5 @@
-"""MoE router (noaux_tc, sigmoid scores) in one kernel launch: one block per token.
+"""MoE router (noaux_tc, sigmoid scores) in one kernel launch: one block per token (grid-stride over
+tokens: the simulator runs one block, numba_kernels.warp.row_blocks).
 
 For token t with router logits l [e] (x @ Wg^T):
   score = sigmoid(l); biased = score + e_score_correction_bias
@@ -18,7 +19,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from .moe_experts import as_device, check_array, load_pair_bf16, load_pair_f32, weight_view
-from .warp import INT32_MAX, ON_SIMULATOR, block_argmax, block_sum
+from .warp import INT32_MAX, ON_SIMULATOR, block_argmax, block_sum, row_blocks
 
 ROUTER_THREADS = 8 if ON_SIMULATOR else 256   # a power of two (block_argmax)
 MAX_EXPERTS = 1024                             # shared-memory capacity of one block
@@ -103,19 +104,20 @@ def _store_score(j, logit, bias, has_bias, score, biased):
 @cuda.jit
 def _route_from_logits(logits, bias, has_bias, n_group, topk_group, norm, scale, expert_ids, expert_weights):
     """logits float32 [s, e]; bias float32 [e] (ignored unless has_bias) -> expert_ids int32 [s, k],
-    expert_weights float32 [s, k]. Grid: s blocks."""
+    expert_weights float32 [s, k]. Grid: row_blocks(s) blocks, grid-stride over tokens."""
     score = cuda.shared.array(MAX_EXPERTS, float32)
     biased = cuda.shared.array(MAX_EXPERTS, float32)
     group_scores = cuda.shared.array(MAX_EXPERTS, float32)
     scratch = cuda.shared.array(ROUTER_THREADS, float32)
     scratch_ids = cuda.shared.array(ROUTER_THREADS, int32)
-    token = cuda.blockIdx.x
     n_experts = logits.shape[1]
-    for j in range(cuda.threadIdx.x, n_experts, cuda.blockDim.x):
-        _store_score(j, logits[token, j], bias, has_bias, score, biased)
-    cuda.syncthreads()  # all scores stored before selection reads them
-    _select_experts(token, score, biased, n_experts, n_group, topk_group, norm, scale, group_scores, scratch,
-                    scratch_ids, expert_ids, expert_weights)
+    for token in range(cuda.blockIdx.x, logits.shape[0], cuda.gridDim.x):  # block-uniform: syncs inside
+        for j in range(cuda.threadIdx.x, n_experts, cuda.blockDim.x):
+            _store_score(j, logits[token, j], bias, has_bias, score, biased)
+        cuda.syncthreads()  # all scores stored before selection reads them
+        _select_experts(token, score, biased, n_experts, n_group, topk_group, norm, scale, group_scores, scratch,
+                        scratch_ids, expert_ids, expert_weights)
+        cuda.syncthreads()  # thread 0 has read this token's scores before the next token overwrites them
 
 
 def _make_route_from_hidden(load_pair):
@@ -123,27 +125,29 @@ def _make_route_from_hidden(load_pair):
     def route_from_hidden(x, gate_weight, bias, has_bias, n_group, topk_group, norm, scale, expert_ids,
                           expert_weights):
         """x float32 [s, d]; gate_weight [1, e, d] (see load_pair); then as _route_from_logits.
-        The block computes the token's e logits (one block-wide dot product each). Grid: s blocks."""
+        The block computes the token's e logits (one block-wide dot product each).
+        Grid: row_blocks(s) blocks, grid-stride over tokens."""
         score = cuda.shared.array(MAX_EXPERTS, float32)
         biased = cuda.shared.array(MAX_EXPERTS, float32)
         group_scores = cuda.shared.array(MAX_EXPERTS, float32)
         scratch = cuda.shared.array(ROUTER_THREADS, float32)
         scratch_ids = cuda.shared.array(ROUTER_THREADS, int32)
-        token = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         n_experts = gate_weight.shape[1]
         n_words = x.shape[1] // 2
-        for j in range(n_experts):
-            partial = float32(0.0)
-            for word in range(tid, n_words, cuda.blockDim.x):
-                w_lo, w_hi = load_pair(gate_weight, 0, j, word)
-                partial += w_lo * x[token, 2 * word] + w_hi * x[token, 2 * word + 1]
-            logit = block_sum(partial, scratch)
-            if tid == 0:
-                _store_score(j, logit, bias, has_bias, score, biased)
-        cuda.syncthreads()  # all scores stored before selection reads them
-        _select_experts(token, score, biased, n_experts, n_group, topk_group, norm, scale, group_scores, scratch,
-                        scratch_ids, expert_ids, expert_weights)
+        for token in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):  # block-uniform: syncs inside
+            for j in range(n_experts):
+                partial = float32(0.0)
+                for word in range(tid, n_words, cuda.blockDim.x):
+                    w_lo, w_hi = load_pair(gate_weight, 0, j, word)
+                    partial += w_lo * x[token, 2 * word] + w_hi * x[token, 2 * word + 1]
+                logit = block_sum(partial, scratch)
+                if tid == 0:
+                    _store_score(j, logit, bias, has_bias, score, biased)
+            cuda.syncthreads()  # all scores stored before selection reads them
+            _select_experts(token, score, biased, n_experts, n_group, topk_group, norm, scale, group_scores,
+                            scratch, scratch_ids, expert_ids, expert_weights)
+            cuda.syncthreads()  # thread 0 has read this token's scores before the next token overwrites them
     return route_from_hidden
 
 
@@ -198,9 +202,9 @@ def route_experts(logits, bias, *, k, n_group=1, topk_group=1, norm_topk_prob=Tr
     bias, has_bias, out_ids, out_weights = _prepare(s, n_experts, bias, k, n_group, topk_group, out_ids,
                                                     out_weights, stream)
     if s:
-        _route_from_logits[s, ROUTER_THREADS, stream](logits, bias, has_bias, n_group, topk_group,
-                                                      bool(norm_topk_prob), float(routed_scaling_factor),
-                                                      out_ids, out_weights)
+        _route_from_logits[row_blocks(s), ROUTER_THREADS, stream](
+            logits, bias, has_bias, n_group, topk_group, bool(norm_topk_prob), float(routed_scaling_factor),
+            out_ids, out_weights)
     return out_ids, out_weights
 
 
@@ -222,6 +226,7 @@ def route_experts_from_hidden(x, gate_weight, bias, *, k, n_group=1, topk_group=
     view, is_bf16 = weight_view(gate_weight.reshape(1, n_experts, d), "gate_weight")
     kernel = _route_from_hidden_bf16 if is_bf16 else _route_from_hidden_f32
     if s:
-        kernel[s, ROUTER_THREADS, stream](x, view, bias, has_bias, n_group, topk_group, bool(norm_topk_prob),
-                                          float(routed_scaling_factor), out_ids, out_weights)
+        kernel[row_blocks(s), ROUTER_THREADS, stream](x, view, bias, has_bias, n_group, topk_group,
+                                                      bool(norm_topk_prob), float(routed_scaling_factor),
+                                                      out_ids, out_weights)
     return out_ids, out_weights

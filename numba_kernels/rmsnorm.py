@@ -1,4 +1,5 @@
-"""RMSNorm, plain and fused with the residual add: one thread block per token row.
+"""RMSNorm, plain and fused with the residual add: one thread block per token row (grid-stride: the
+simulator runs one block over all rows, numba_kernels.warp.row_blocks).
 
 out[i] = x[i] / sqrt(mean_j x[i, j]^2 + eps) * w, all in float32; the sum of squares is a block tree
 reduction (numba_kernels.warp.block_sum) of per-thread fp32 partial sums.
@@ -11,7 +12,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from numba_kernels.warp import ON_SIMULATOR, block_sum
+from numba_kernels.warp import ON_SIMULATOR, block_sum, row_blocks
 
 NORM_THREADS = 4 if ON_SIMULATOR else 256  # power of two (block_sum)
 
@@ -23,33 +24,35 @@ def inverse_rms(row_sum_squares, width, eps):
 
 @cuda.jit
 def rms_norm_kernel(x, weight, eps, out):
-    """x float32 [s, d]; weight float32 [d]; eps float32; out float32 [s, d] (may alias x). Grid (s,)."""
-    row = cuda.blockIdx.x
+    """x float32 [s, d]; weight float32 [d]; eps float32; out float32 [s, d] (may alias x).
+    Grid (row_blocks(s),): block b does rows b, b + gridDim, ..."""
     scratch = cuda.shared.array(NORM_THREADS, float32)
     width = x.shape[1]
-    partial = float32(0.0)
-    for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
-        value = x[row, j]
-        partial += value * value
-    inv = inverse_rms(block_sum(partial, scratch), width, eps)  # block_sum syncs: all x read before out written
-    for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
-        out[row, j] = x[row, j] * inv * weight[j]
+    for row in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):  # block-uniform: block_sum may sync
+        partial = float32(0.0)
+        for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+            value = x[row, j]
+            partial += value * value
+        inv = inverse_rms(block_sum(partial, scratch), width, eps)  # block_sum syncs: x read before out written
+        for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+            out[row, j] = x[row, j] * inv * weight[j]
 
 
 @cuda.jit
 def add_rms_norm_kernel(x, residual, weight, eps, out):
-    """residual += x, then out = rms_norm(residual) * weight. x, residual, out float32 [s, d]; grid (s,)."""
-    row = cuda.blockIdx.x
+    """residual += x, then out = rms_norm(residual) * weight. x, residual, out float32 [s, d];
+    grid (row_blocks(s),), grid-stride over rows."""
     scratch = cuda.shared.array(NORM_THREADS, float32)
     width = x.shape[1]
-    partial = float32(0.0)
-    for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
-        value = residual[row, j] + x[row, j]
-        residual[row, j] = value  # each thread re-reads only its own columns below
-        partial += value * value
-    inv = inverse_rms(block_sum(partial, scratch), width, eps)
-    for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
-        out[row, j] = residual[row, j] * inv * weight[j]
+    for row in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
+        partial = float32(0.0)
+        for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+            value = residual[row, j] + x[row, j]
+            residual[row, j] = value  # each thread re-reads only its own columns below
+            partial += value * value
+        inv = inverse_rms(block_sum(partial, scratch), width, eps)
+        for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+            out[row, j] = residual[row, j] * inv * weight[j]
 
 
 def as_device_array(array):
@@ -92,7 +95,7 @@ def rms_norm(x, weight, eps: float, out=None, stream=0):
     if out is None:
         out = cuda.device_array(x.shape, dtype=np.float32, stream=stream)
     if x.shape[0] > 0:
-        rms_norm_kernel[x.shape[0], NORM_THREADS, stream](x, weight, np.float32(eps), out)
+        rms_norm_kernel[row_blocks(x.shape[0]), NORM_THREADS, stream](x, weight, np.float32(eps), out)
     return out
 
 
@@ -107,5 +110,5 @@ def add_rms_norm(x, residual, weight, eps: float, out=None, stream=0):
     if out is None:
         out = cuda.device_array(x.shape, dtype=np.float32, stream=stream)
     if x.shape[0] > 0:
-        add_rms_norm_kernel[x.shape[0], NORM_THREADS, stream](x, residual, weight, np.float32(eps), out)
+        add_rms_norm_kernel[row_blocks(x.shape[0]), NORM_THREADS, stream](x, residual, weight, np.float32(eps), out)
     return out

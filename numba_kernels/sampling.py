@@ -1,4 +1,5 @@
-"""Token choice over the vocabulary, one block per row: argmax, top-k with margin, Gumbel-max sampling.
+"""Token choice over the vocabulary, one block per row: argmax, top-k with margin, Gumbel-max sampling
+(grid-stride over rows: the simulator runs one block, numba_kernels.warp.row_blocks).
 
 Bit-exact to engine.sampling_ref (ties -> lowest id; the same splitmix64 noise keyed by seed and absolute
 position; float64 log may differ from numpy's by an ulp, which matters only at exact float64 ties).
@@ -11,7 +12,7 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, int32, uint64
 
-from numba_kernels.warp import INT32_MAX, ON_SIMULATOR, block_argmax, to_device
+from numba_kernels.warp import INT32_MAX, ON_SIMULATOR, block_argmax, row_blocks, to_device
 
 ROW_THREADS = 8 if ON_SIMULATOR else 256
 MAX_TOPK = 16
@@ -44,40 +45,40 @@ def gumbel(key, token):
 
 @cuda.jit
 def argmax_rows_kernel(logits, ids):
-    """logits float32 [s, V] -> ids int32 [s]: argmax per row, ties -> lowest id."""
-    row = cuda.blockIdx.x
+    """logits float32 [s, V] -> ids int32 [s]: argmax per row, ties -> lowest id. Grid-stride over rows."""
     scratch = cuda.shared.array(ROW_THREADS, float32)
     scratch_ids = cuda.shared.array(ROW_THREADS, int32)
-    best = float32(-math.inf)
-    best_id = INT32_MAX
-    for v in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
-        value = logits[row, v]
-        if value > best or best_id == INT32_MAX:  # strict: this thread's ids increase, keep the first
-            best = value
-            best_id = v
-    best, best_id = block_argmax(best, int32(best_id), scratch, scratch_ids)
-    if cuda.threadIdx.x == 0:
-        ids[row] = best_id
+    for row in range(cuda.blockIdx.x, logits.shape[0], cuda.gridDim.x):  # block-uniform: block_argmax syncs
+        best = float32(-math.inf)
+        best_id = INT32_MAX
+        for v in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
+            value = logits[row, v]
+            if value > best or best_id == INT32_MAX:  # strict: this thread's ids increase, keep the first
+                best = value
+                best_id = v
+        best, best_id = block_argmax(best, int32(best_id), scratch, scratch_ids)
+        if cuda.threadIdx.x == 0:
+            ids[row] = best_id
 
 
 @cuda.jit
 def sample_rows_kernel(logits, temperature, seed, positions, ids):
     """logits float32 [s, V], positions int [s] -> ids int32 [s]: argmax(logits / T + gumbel(seed, position)),
-    in float64, ties -> lowest id."""
-    row = cuda.blockIdx.x
+    in float64, ties -> lowest id. Grid-stride over rows."""
     scratch = cuda.shared.array(ROW_THREADS, float64)
     scratch_ids = cuda.shared.array(ROW_THREADS, int32)
-    key = mix64(mix64(uint64(seed)) + uint64(positions[row]) * GOLDEN_GAMMA)
-    best = -math.inf
-    best_id = INT32_MAX
-    for v in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
-        value = float64(logits[row, v]) / temperature + gumbel(key, v)
-        if value > best or best_id == INT32_MAX:
-            best = value
-            best_id = v
-    best, best_id = block_argmax(best, int32(best_id), scratch, scratch_ids)
-    if cuda.threadIdx.x == 0:
-        ids[row] = best_id
+    for row in range(cuda.blockIdx.x, logits.shape[0], cuda.gridDim.x):  # block-uniform: block_argmax syncs
+        key = mix64(mix64(uint64(seed)) + uint64(positions[row]) * GOLDEN_GAMMA)
+        best = -math.inf
+        best_id = INT32_MAX
+        for v in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
+            value = float64(logits[row, v]) / temperature + gumbel(key, v)
+            if value > best or best_id == INT32_MAX:
+                best = value
+                best_id = v
+        best, best_id = block_argmax(best, int32(best_id), scratch, scratch_ids)
+        if cuda.threadIdx.x == 0:
+            ids[row] = best_id
 
 
 @cuda.jit
@@ -86,8 +87,7 @@ def topk_rows_kernel(logits, top_ids, top_values, margins):
     margins float32 [s] = top1 - top2 (+inf when V == 1). k <= MAX_TOPK.
 
     Each thread keeps a sorted top-k list of its strided slice; then k rounds of block argmax over the
-    threads' list heads, the winner advancing its head."""
-    row = cuda.blockIdx.x
+    threads' list heads, the winner advancing its head. Grid-stride over rows."""
     tid = cuda.threadIdx.x
     scratch = cuda.shared.array(ROW_THREADS, float32)
     scratch_ids = cuda.shared.array(ROW_THREADS, int32)
@@ -95,36 +95,37 @@ def topk_rows_kernel(logits, top_ids, top_values, margins):
     rounds = max(k, 2)
     mine = cuda.local.array(MAX_TOPK, float32)
     mine_ids = cuda.local.array(MAX_TOPK, int32)
-    held = 0
-    for v in range(tid, logits.shape[1], cuda.blockDim.x):
-        value = logits[row, v]
-        if held == rounds and not value > mine[rounds - 1]:
-            continue  # not better than the worst kept (equal loses: its id is higher)
-        slot = held if held < rounds else rounds - 1
-        while slot > 0 and value > mine[slot - 1]:  # insertion: strictly better moves up
-            mine[slot] = mine[slot - 1]
-            mine_ids[slot] = mine_ids[slot - 1]
-            slot -= 1
-        mine[slot] = value
-        mine_ids[slot] = v
-        if held < rounds:
-            held += 1
-    head = 0
-    first = float32(0.0)
-    for r in range(rounds):
-        value = mine[head] if head < held else float32(-math.inf)
-        index = mine_ids[head] if head < held else INT32_MAX
-        best, best_id = block_argmax(value, int32(index), scratch, scratch_ids)
-        if head < held and mine_ids[head] == best_id:
-            head += 1
-        if tid == 0:
-            if r < k:
-                top_ids[row, r] = best_id
-                top_values[row, r] = best
-            if r == 0:
-                first = best
-            elif r == 1:
-                margins[row] = first - best if best_id != INT32_MAX else float32(math.inf)
+    for row in range(cuda.blockIdx.x, logits.shape[0], cuda.gridDim.x):  # block-uniform: block_argmax syncs
+        held = 0
+        for v in range(tid, logits.shape[1], cuda.blockDim.x):
+            value = logits[row, v]
+            if held == rounds and not value > mine[rounds - 1]:
+                continue  # not better than the worst kept (equal loses: its id is higher)
+            slot = held if held < rounds else rounds - 1
+            while slot > 0 and value > mine[slot - 1]:  # insertion: strictly better moves up
+                mine[slot] = mine[slot - 1]
+                mine_ids[slot] = mine_ids[slot - 1]
+                slot -= 1
+            mine[slot] = value
+            mine_ids[slot] = v
+            if held < rounds:
+                held += 1
+        head = 0
+        first = float32(0.0)
+        for r in range(rounds):
+            value = mine[head] if head < held else float32(-math.inf)
+            index = mine_ids[head] if head < held else INT32_MAX
+            best, best_id = block_argmax(value, int32(index), scratch, scratch_ids)
+            if head < held and mine_ids[head] == best_id:
+                head += 1
+            if tid == 0:
+                if r < k:
+                    top_ids[row, r] = best_id
+                    top_values[row, r] = best
+                if r == 0:
+                    first = best
+                elif r == 1:
+                    margins[row] = first - best if best_id != INT32_MAX else float32(math.inf)
 
 
 def _check_logits(logits):
@@ -138,7 +139,7 @@ def argmax_rows(logits):
     """Device int32 [s]: greedy token per row of float32 logits [s, V] (numpy or device)."""
     _check_logits(logits)
     ids = cuda.device_array(logits.shape[0], np.int32)
-    argmax_rows_kernel[logits.shape[0], ROW_THREADS](to_device(logits), ids)
+    argmax_rows_kernel[row_blocks(logits.shape[0]), ROW_THREADS](to_device(logits), ids)
     return ids
 
 
@@ -154,7 +155,7 @@ def sample_rows(logits, temperature: float, seed: int, positions):
     if temperature == 0:
         return argmax_rows(logits)
     ids = cuda.device_array(logits.shape[0], np.int32)
-    sample_rows_kernel[logits.shape[0], ROW_THREADS](to_device(logits), float(temperature), np.uint64(seed),
+    sample_rows_kernel[row_blocks(logits.shape[0]), ROW_THREADS](to_device(logits), float(temperature), np.uint64(seed),
                                                      to_device(positions), ids)
     return ids
 
@@ -168,5 +169,5 @@ def topk_rows(logits, k: int):
     top_ids = cuda.device_array((rows, k), np.int32)
     top_values = cuda.device_array((rows, k), np.float32)
     margins = cuda.device_array(rows, np.float32)
-    topk_rows_kernel[rows, ROW_THREADS](to_device(logits), top_ids, top_values, margins)
+    topk_rows_kernel[row_blocks(rows), ROW_THREADS](to_device(logits), top_ids, top_values, margins)
     return top_ids, top_values, margins

@@ -15,7 +15,7 @@ import numpy as np
 from numba import cuda
 
 from .moe_experts import ExpertPlan, as_device, check_array, grouped_swiglu, output, silu, weight_view
-from .warp import ON_SIMULATOR
+from .warp import ON_SIMULATOR, row_blocks
 
 SILU_MUL_THREADS = 8 if ON_SIMULATOR else 256
 
@@ -23,12 +23,12 @@ SILU_MUL_THREADS = 8 if ON_SIMULATOR else 256
 @cuda.jit
 def _silu_mul(gate_up, out):
     """out[t, i] = silu(gate_up[t, i]) * gate_up[t, F + i]. gate_up float32 [s, 2F]; out float32 [s, F].
-    Grid: (ceil(F / threads), s)."""
+    Grid: (ceil(F / threads), row_blocks(s)), grid-stride over tokens."""
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    t = cuda.blockIdx.y
     width = out.shape[1]
     if i < width:
-        out[t, i] = silu(gate_up[t, i]) * gate_up[t, width + i]
+        for t in range(cuda.blockIdx.y, out.shape[0], cuda.gridDim.y):
+            out[t, i] = silu(gate_up[t, i]) * gate_up[t, width + i]
 
 
 def silu_mul(gate_up, *, out=None, stream=0):
@@ -40,7 +40,8 @@ def silu_mul(gate_up, *, out=None, stream=0):
         raise ValueError(f"gate_up: width {two_f} is odd, expected [s, 2F]")
     out = output(out, "out", (s, two_f // 2), stream)
     if s and two_f:
-        _silu_mul[(math.ceil(two_f // 2 / SILU_MUL_THREADS), s), SILU_MUL_THREADS, stream](gate_up, out)
+        grid = (math.ceil(two_f // 2 / SILU_MUL_THREADS), row_blocks(s))
+        _silu_mul[grid, SILU_MUL_THREADS, stream](gate_up, out)
     return out
 
 

@@ -15,11 +15,24 @@ Contract for all helpers:
 max and argmax are exact whatever the reduction order; a float sum is not: the GPU (shuffle) and the
 simulator (tree) orders round differently, so compare sums with a tolerance.
 """
+import sys
+
 import numpy as np
 from numba import cuda
 from numba.cuda import config
 
 ON_SIMULATOR = bool(config.ENABLE_CUDASIM)
+# Kernels with one block per token row (or per expert) loop over rows grid-stride and launch
+# row_blocks(rows) blocks. On a GPU that is one block per row (65535: the largest grid y extent; only
+# longer launches reuse blocks). The simulator pays a fixed cost per block (it starts a Python thread per
+# CUDA thread, then polls them), so there one block loops over all the rows.
+MAX_ROW_BLOCKS = 1 if ON_SIMULATOR else 65535
+if ON_SIMULATOR:
+    # The simulator's block manager busy-polls its threads while holding the GIL; a thread woken from
+    # syncthreads waits for the interpreter's switch interval (5 ms by default) to run again, so every
+    # syncthreads costs milliseconds. Switching every 50 us makes simulated kernels ~5x faster; it only
+    # changes how often Python threads trade the GIL.
+    sys.setswitchinterval(5e-5)
 # Shuffles only exist on a real GPU; the constant is frozen when a kernel compiles.
 USE_SHUFFLE = not ON_SIMULATOR
 FULL_MASK = 0xFFFFFFFF
@@ -164,6 +177,12 @@ def block_argmax(value, index, scratch, scratch_ids):
     best_index = scratch_ids[0]
     cuda.syncthreads()  # everyone read slot 0 before the caller reuses scratch
     return best_value, best_index
+
+
+def row_blocks(rows: int) -> int:
+    """Blocks to launch for a grid-stride loop over ``rows`` rows (kernels: ``for row in
+    range(cuda.blockIdx.x, rows, cuda.gridDim.x)``, block-uniform so syncthreads stays legal)."""
+    return max(1, min(rows, MAX_ROW_BLOCKS))
 
 
 def to_device(array):
