@@ -1,31 +1,36 @@
-"""TextPanel: a scrollable Static showing one Rich Text, kept as ``.text`` (tests read ``.plain``)."""
+"""TextPanel: a scrollable view of one Rich Text, kept as ``.text`` (tests read ``.plain``), drawn with the
+Line API (like the step list): a new step's text repaints only the panel's visible lines.
+
+A Static inside a VerticalScroll re-measured and re-rendered the whole text and relaid out the screen twice
+per step (its size changed, then its scroll container's), which cost each step key two extra frames.
+"""
 from __future__ import annotations
 
+from rich.style import Style
 from rich.text import Text
-from textual.containers import VerticalScroll
-from textual.widgets import Static
+from textual.geometry import Region, Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
 
 
-class TextPanel(VerticalScroll):
+class TextPanel(ScrollView):
     """A scrolling panel whose content is re-rendered by ``render_text`` (subclasses) for each step."""
 
     DEFAULT_CSS = """
     TextPanel { height: 1fr; padding: 0 1; }
-    TextPanel > Static { width: auto; }
     """
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.text = Text("")
-        self._body = Static(self.text)
-        self._stale = False  # .text is newer than what the Static shows
-
-    def compose(self):
-        yield self._body
+        self._lines: list[Text] = []       # .text split at newlines (what is on screen)
+        self._strips: dict[int, Strip] = {}  # line index -> rendered line, for the current lines only
+        self._stale = False  # .text is newer than what is on screen
+        self._base_style = Style()  # self.rich_style, set per frame by render_lines
 
     def set_text(self, text: Text) -> None:
-        """Show ``text``: now when the panel is on screen, else when it is shown (``flush``). Updating the
-        Static relayouts the screen, which a hidden tab's panel need not cost every step."""
+        """Show ``text``: now when the panel is on screen, else when it is shown (``flush``): a hidden
+        tab's panel need not split its text every step."""
         self.text = text
         self._stale = True
         if self._shown():
@@ -33,12 +38,37 @@ class TextPanel(VerticalScroll):
 
     def flush(self) -> None:
         """Put the latest text on screen (the panel's tab is about to be, or was just, shown)."""
-        if self._stale:
-            self._stale = False
-            self._body.update(self.text)
+        if not self._stale:
+            return
+        self._stale = False
+        self._lines = self.text.split("\n")  # a trailing newline ends the last line, it adds none
+        self._strips.clear()
+        width = max((line.cell_len for line in self._lines), default=0)
+        # Relays out the screen only when the size changed (the scroll bars may come or go).
+        self.virtual_size = Size(width, len(self._lines))
+        self.refresh()
 
     def on_show(self) -> None:
         self.flush()
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # The widget's style, once per frame: rich_style walks every ancestor (0.1 ms a call, per line).
+        self._base_style = self.rich_style
+        return super().render_lines(crop)
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        index = scroll_y + y
+        width = self.scrollable_content_region.width
+        base = self._base_style
+        if index >= len(self._lines):
+            return Strip.blank(width, base)
+        strip = self._strips.get(index)
+        if strip is None:
+            line = self._lines[index]
+            strip = Strip(list(line.render(self.app.console)), line.cell_len).apply_style(base)
+            self._strips[index] = strip
+        return strip.crop_extend(scroll_x, scroll_x + width, base)
 
     def _shown(self) -> bool:
         return all(node.display for node in self.ancestors_with_self)
