@@ -40,4 +40,4 @@ def render_cache(record, colours: dict, cache_threshold: float) -> Text:
 
 class CachePanel(TextPanel):
     def show(self, record, colours: dict, cache_threshold: float) -> None:
-        self.set_text(render_cache(record, colours, cache_threshold))
+        self.set_text(lambda: render_cache(record, colours, cache_threshold))

@@ -50,4 +50,4 @@ def render_logits(record, tokenizer: str, colours: dict, dlogit_threshold: float
 
 class LogitsPanel(TextPanel):
     def show(self, record, tokenizer: str, colours: dict, dlogit_threshold: float) -> None:
-        self.set_text(render_logits(record, tokenizer, colours, dlogit_threshold))
+        self.set_text(lambda: render_logits(record, tokenizer, colours, dlogit_threshold))

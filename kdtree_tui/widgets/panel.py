@@ -6,11 +6,16 @@ per step (its size changed, then its scroll container's), which cost each step k
 """
 from __future__ import annotations
 
+from typing import Callable, Union
+
 from rich.style import Style
 from rich.text import Text
 from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+from textual.widget import Widget
+
+TextSource = Union[Text, Callable[[], Text]]
 
 
 class TextPanel(ScrollView):
@@ -22,16 +27,28 @@ class TextPanel(ScrollView):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.text = Text("")
-        self._lines: list[Text] = []       # .text split at newlines (what is on screen)
+        self._text = Text("")
+        self._make_text: Callable[[], Text] | None = None  # deferred .text (set while hidden)
+        self._lines: list[Text] = []         # .text split at newlines (what is on screen)
         self._strips: dict[int, Strip] = {}  # line index -> rendered line, for the current lines only
-        self._stale = False  # .text is newer than what is on screen
-        self._base_style = Style()  # self.rich_style, set per frame by render_lines
+        self._stale = False                  # .text is newer than what is on screen
+        self._base_style = Style()           # self.rich_style, set per frame by render_lines
 
-    def set_text(self, text: Text) -> None:
-        """Show ``text``: now when the panel is on screen, else when it is shown (``flush``): a hidden
-        tab's panel need not split its text every step."""
-        self.text = text
+    @property
+    def text(self) -> Text:
+        """The latest text given to set_text (made now if it was deferred)."""
+        if self._make_text is not None:
+            self._text, self._make_text = self._make_text(), None
+        return self._text
+
+    @property
+    def plain(self) -> str:
+        return self.text.plain
+
+    def set_text(self, text: TextSource) -> None:
+        """Show ``text`` (or what a callable returns: made only when needed): now when the panel is on
+        screen, else when it is shown (``flush``), so a hidden tab's panel costs a step key nothing."""
+        self._text, self._make_text = (text, None) if isinstance(text, Text) else (Text(""), text)
         self._stale = True
         if self._shown():
             self.flush()
@@ -44,9 +61,25 @@ class TextPanel(ScrollView):
         self._lines = self.text.split("\n")  # a trailing newline ends the last line, it adds none
         self._strips.clear()
         width = max((line.cell_len for line in self._lines), default=0)
-        # Relays out the screen only when the size changed (the scroll bars may come or go).
-        self.virtual_size = Size(width, len(self._lines))
+        self._set_virtual_size(Size(width, len(self._lines)))
         self.refresh()
+
+    def _set_virtual_size(self, size: Size) -> None:
+        """The scrollable size, without relaying out the screen when only the scroll range changes.
+
+        Assigning ``virtual_size`` relays out the whole screen, and after any layout Textual repaints every
+        ScrollView's scroll bar in a frame of its own. The panel's region does not depend on its content
+        (``1fr`` of the tab), so that layout would only update the scroll bars and the scroll range, which
+        is what Widget._scroll_update does (textual is pinned in pyproject.toml). A scroll bar that has to
+        appear or disappear still relays out (its reactive asks for a layout).
+        """
+        if size == self.virtual_size:
+            return
+        if not self.container_size:  # not laid out yet: the first layout sizes everything
+            self.virtual_size = size
+            return
+        self.set_reactive(Widget.virtual_size, size)
+        self._scroll_update(size)
 
     def on_show(self) -> None:
         self.flush()
@@ -72,7 +105,3 @@ class TextPanel(ScrollView):
 
     def _shown(self) -> bool:
         return all(node.display for node in self.ancestors_with_self)
-
-    @property
-    def plain(self) -> str:
-        return self.text.plain

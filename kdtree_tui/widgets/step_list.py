@@ -36,7 +36,8 @@ class StepList(ScrollView, can_focus=True):
     BINDINGS = [Binding("down", "app.step(1)", show=False), Binding("up", "app.step(-1)", show=False),
                 Binding("pagedown", "app.step(10)", show=False), Binding("pageup", "app.step(-10)", show=False),
                 Binding("home", "app.first", show=False), Binding("end", "app.last", show=False)]
-    cursor: reactive[int] = reactive(0, always_update=True)
+    # repaint=False: watch_cursor repaints what changed (the whole list only when it scrolls).
+    cursor: reactive[int] = reactive(0, always_update=True, repaint=False)
 
     class Selected(Message):
         """The user clicked a step."""
@@ -62,8 +63,11 @@ class StepList(ScrollView, can_focus=True):
         self.refresh()
 
     def watch_cursor(self, old: int, new: int) -> None:
+        top = self.scroll_offset.y
         self.scroll_to_region(Region(0, new, 1, 1), animate=False, force=True, immediate=True)
-        self.refresh()
+        if self.scroll_offset.y == top:  # a scroll repaints every line itself; else only the two cursor rows
+            self.refresh_line(old)
+            self.refresh_line(new)
 
     def render_lines(self, crop: Region) -> list[Strip]:
         # The widget's style, once per frame: rich_style walks every ancestor (0.1 ms a call, per line).

@@ -80,4 +80,4 @@ class TreePanel(TextPanel):
     """The current step's draft tree (see render_tree)."""
 
     def show(self, record, tokenizer: str, colours: dict) -> None:
-        self.set_text(render_tree(record, tokenizer, colours))
+        self.set_text(lambda: render_tree(record, tokenizer, colours))
