@@ -37,9 +37,10 @@ async def test_incremental_frames_equal_a_full_repaint(tmp_path):
     app = TraceApp(trace)
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
-        # Within the visible rows (two cursor rows repainted), scrolling, jumps, other tabs, back.
+        # Within the visible rows (two cursor rows repainted), scrolling, jumps, other tabs, back, focus on
+        # the tree panel, the light theme.
         for keys in (["j", "j", "j"], ["k"], ["pagedown", "pagedown", "pagedown"], ["end"], ["home"], ["n"],
-                     ["2", "j"], ["3", "j", "j"], ["1", "k"], ["n", "n", "n"]):
+                     ["2", "j"], ["3", "j", "j"], ["1", "k"], ["n", "n", "n"], ["tab", "tab", "j", "j"], ["d", "j"]):
             await pilot.press(*keys)
             await settle(app, pilot)
             drawn = _screen(app)

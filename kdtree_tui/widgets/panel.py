@@ -30,7 +30,7 @@ class TextPanel(ScrollView):
         self._text = Text("")
         self._make_text: Callable[[], Text] | None = None  # deferred .text (set while hidden)
         self._lines: list[Text] = []         # .text split at newlines (what is on screen)
-        self._strips: dict[int, Strip] = {}  # line index -> rendered line, for the current lines only
+        self._strips: dict[int, Strip] = {}  # line index -> rendered line (no base style), current lines only
         self._stale = False                  # .text is newer than what is on screen
         self._base_style = Style()           # self.rich_style, set per frame by render_lines
 
@@ -99,9 +99,9 @@ class TextPanel(ScrollView):
         strip = self._strips.get(index)
         if strip is None:
             line = self._lines[index]
-            strip = Strip(list(line.render(self.app.console)), line.cell_len).apply_style(base)
-            self._strips[index] = strip
-        return strip.crop_extend(scroll_x, scroll_x + width, base)
+            strip = self._strips[index] = Strip(list(line.render(self.app.console)), line.cell_len)
+        # The base style under the text's own (it changes with the theme and focus; a Strip caches this).
+        return strip.apply_style(base).crop_extend(scroll_x, scroll_x + width, base)
 
     def _shown(self) -> bool:
         return all(node.display for node in self.ancestors_with_self)
