@@ -16,6 +16,7 @@ max and argmax are exact whatever the reduction order; a float sum is not: the G
 simulator (tree) orders round differently, so compare sums with a tolerance.
 """
 import sys
+import threading
 
 import numpy as np
 from numba import cuda
@@ -27,12 +28,47 @@ ON_SIMULATOR = bool(config.ENABLE_CUDASIM)
 # longer launches reuse blocks). The simulator pays a fixed cost per block (it starts a Python thread per
 # CUDA thread, then polls them), so there one block loops over all the rows.
 MAX_ROW_BLOCKS = 1 if ON_SIMULATOR else 65535
+
+
+def _thread_safe_simulator_shared_arrays():
+    """Make the simulator's cuda.shared.array allocation atomic.
+
+    The simulator keys a launch's shared arrays by the calling (file, line) and creates one on first use
+    with an unlocked get-then-set: two threads interleaving there get different arrays, and the kernel
+    silently computes garbage (seen as rare wrong tokens once threads switch often). Same keying, under a
+    lock; the frame lookup also replaces the simulator's much slower traceback.extract_stack."""
+    from numba.cuda.simulator import kernelapi
+
+    simulator_array = kernelapi.FakeCUDAShared.array
+    if getattr(simulator_array, "thread_safe", False):
+        return
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:  # an error, or the dynamic buffer: no allocation to race on
+            return simulator_array(self, shape, dtype, alignment)
+        if isinstance(dtype, kernelapi.types.Type):
+            dtype = kernelapi.numpy_support.as_dtype(dtype)
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        with lock:
+            allocation = self._allocations.get(caller)
+            if allocation is None:
+                allocation = self._allocations[caller] = np.empty(shape, dtype)
+        return allocation
+
+    array.thread_safe = True
+    kernelapi.FakeCUDAShared.array = array
+
+
 if ON_SIMULATOR:
     # The simulator's block manager busy-polls its threads while holding the GIL; a thread woken from
     # syncthreads waits for the interpreter's switch interval (5 ms by default) to run again, so every
     # syncthreads costs milliseconds. Switching every 50 us makes simulated kernels ~5x faster; it only
     # changes how often Python threads trade the GIL.
     sys.setswitchinterval(5e-5)
+    _thread_safe_simulator_shared_arrays()
+
 # Shuffles only exist on a real GPU; the constant is frozen when a kernel compiles.
 USE_SHUFFLE = not ON_SIMULATOR
 FULL_MASK = 0xFFFFFFFF
