@@ -113,3 +113,24 @@ async def test_hidden_text_panel_makes_its_text_only_when_read_or_shown():
         await pilot.pause()
         assert len(made) == 2
         assert _visible(panel)[:3] == ["one", "two", ""]
+
+
+@run_async
+async def test_text_panel_text_selects_with_the_mouse():
+    app = _PanelApp()
+    async with app.run_test(size=(60, 20)) as pilot:
+        panel = app.query_one(TextPanel)
+        plain = _lines(30, 30)
+        panel.set_text(Text(plain))
+        await pilot.pause()
+        panel.scroll_to(y=4, animate=False, immediate=True)
+        await pilot.pause()
+        # Drag from column 2 of the second visible line to column 5 of the fourth, both characters included
+        # (padding: 1 column).
+        await pilot.mouse_down(panel, offset=(1 + 2, 1))
+        await pilot.hover(panel, offset=(1 + 5, 3))
+        await pilot.mouse_up(panel, offset=(1 + 5, 3))
+        await pilot.pause()
+        lines = plain.split("\n")
+        want = "\n".join([lines[5][2:], lines[6], lines[7][:6]])
+        assert app.screen.get_selected_text() == want

@@ -12,6 +12,7 @@ from rich.style import Style
 from rich.text import Text
 from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
+from textual.selection import Selection
 from textual.strip import Strip
 from textual.widget import Widget
 
@@ -98,10 +99,33 @@ class TextPanel(ScrollView):
             return Strip.blank(width, base)
         strip = self._strips.get(index)
         if strip is None:
-            line = self._lines[index]
-            strip = self._strips[index] = Strip(list(line.render(self.app.console)), line.cell_len)
+            strip = self._render_text_line(index)
         # The base style under the text's own (it changes with the theme and focus; a Strip caches this).
-        return strip.apply_style(base).crop_extend(scroll_x, scroll_x + width, base)
+        # Offsets: which character is where, for selecting text with the mouse.
+        return strip.apply_style(base).crop_extend(scroll_x, scroll_x + width, base).apply_offsets(scroll_x, index)
+
+    def _render_text_line(self, index: int) -> Strip:
+        """Line ``index`` as a Strip (no base style), the mouse selection highlighted; cached without one."""
+        line = self._lines[index]
+        selection = self.text_selection
+        span = selection.get_span(index) if selection is not None else None
+        if span is not None:
+            start, end = span
+            line = line.copy()
+            line.stylize(self.screen.get_component_rich_style("screen--selection"), start,
+                         len(line) if end == -1 else end)
+        strip = Strip(list(line.render(self.app.console)), line.cell_len)
+        if selection is None:
+            self._strips[index] = strip
+        return strip
+
+    def get_selection(self, selection: Selection) -> tuple[str, str] | None:
+        """The selected text (lines as on screen)."""
+        return selection.extract("\n".join(line.plain for line in self._lines)), "\n"
+
+    def selection_updated(self, selection: Selection | None) -> None:
+        self._strips.clear()
+        self.refresh()
 
     def _shown(self) -> bool:
         return all(node.display for node in self.ancestors_with_self)
