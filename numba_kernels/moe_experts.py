@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32
 
+from .device_arrays import as_device_array as as_device
 from .warp import ON_SIMULATOR, USE_SHUFFLE, WARP_SIZE, _warp_sum, row_blocks
 
 # Launch shapes. The simulator runs every thread as Python: fewer warps per block keeps it quick.
@@ -105,17 +106,6 @@ def reduce_to_lane0(acc, scratch):
 
 
 # ----------------------------------------------------------------------------------- host helpers
-def as_device(array, name):
-    """A numba device array for ``array``: device arrays as they are, CAI objects wrapped, numpy copied."""
-    if hasattr(array, "copy_to_host"):
-        return array
-    if hasattr(array, "__cuda_array_interface__"):
-        return cuda.as_cuda_array(array)
-    if isinstance(array, np.ndarray):
-        return cuda.to_device(np.ascontiguousarray(array))
-    raise ValueError(f"{name}: expected a device array or numpy array, got {type(array).__name__}")
-
-
 def check_array(array, name, shape, dtypes):
     """Raise a one-line ValueError unless ``array`` has ``shape`` (None = any size) and one of ``dtypes``."""
     dtype = np.dtype(array.dtype)

@@ -12,6 +12,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from .device_arrays import as_device_array, is_device_array  # noqa: F401  (re-exported to the launchers)
+
 from numba_kernels.warp import ON_SIMULATOR, block_sum, row_blocks
 
 NORM_THREADS = 4 if ON_SIMULATOR else 256  # power of two (block_sum)
@@ -53,20 +55,6 @@ def add_rms_norm_kernel(x, residual, weight, eps, out):
         inv = inverse_rms(block_sum(partial, scratch), width, eps)
         for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
             out[row, j] = residual[row, j] * inv * weight[j]
-
-
-def as_device_array(array):
-    """Launcher helper: a numba device array as is; a __cuda_array_interface__ object (torch) wrapped
-    without a copy; anything else (numpy) copied to the device."""
-    if hasattr(array, "copy_to_host"):
-        return array
-    if hasattr(array, "__cuda_array_interface__"):
-        return cuda.as_cuda_array(array)
-    return cuda.to_device(np.ascontiguousarray(array))
-
-
-def is_device_array(array) -> bool:
-    return hasattr(array, "copy_to_host") or hasattr(array, "__cuda_array_interface__")
 
 
 def _check(name: str, array, shape: tuple | None = None) -> None:

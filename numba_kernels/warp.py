@@ -22,6 +22,8 @@ import numpy as np
 from numba import cuda
 from numba.cuda import config
 
+from .device_arrays import as_device_array
+
 ON_SIMULATOR = bool(config.ENABLE_CUDASIM)
 # Kernels with one block per token row (or per expert) loop over rows grid-stride and launch
 # row_blocks(rows) blocks. On a GPU that is one block per row (65535: the largest grid y extent; only
@@ -221,8 +223,4 @@ def row_blocks(rows: int) -> int:
     return max(1, min(rows, MAX_ROW_BLOCKS))
 
 
-def to_device(array):
-    """Launcher helper: a device array as is; anything else (numpy, lists) copied to the device."""
-    if hasattr(array, "__cuda_array_interface__") or hasattr(array, "copy_to_host"):
-        return array
-    return cuda.to_device(np.ascontiguousarray(array))
+to_device = as_device_array  # launcher helper (numba_kernels/device_arrays.py)
