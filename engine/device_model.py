@@ -287,13 +287,14 @@ class DeviceModel:
         o = ops.heads_matmul(o_lat, layer["w_uv"], transpose_w=True)  # [s, h, v]
         return ops.linear(o.reshape(s, h * cfg.v_head_dim), layer["o_proj"])
 
-    def _dense_ffn(self, layer, x, out=None):
+    def _dense_ffn(self, layer, x):
         return self.ops.linear(swiglu.silu_mul(self.ops.linear(x, layer["ffn_gate_up"])), layer["ffn_down"])
 
     def _moe(self, layer, x):
         cfg = self.cfg
-        expert_ids, expert_weights = moe_router.route_experts(self.ops.linear(x, layer["router"]),
-                                                              layer["router_bias"], **moe_router.router_options(cfg))
+        bias = None if cfg.topk_method == "greedy" else layer["router_bias"]  # greedy routing ignores the bias
+        expert_ids, expert_weights = moe_router.route_experts(self.ops.linear(x, layer["router"]), bias,
+                                                              **moe_router.router_options(cfg))
         if cfg.n_shared_experts:
             shared = self._dense_ffn(layer, x)
             return moe_experts.moe_experts(x, expert_ids, expert_weights, layer["experts_gate_up"],
