@@ -118,3 +118,26 @@ def test_unreadable_traces_exit_2(tmp_path):
             result = kdtree(command, str(path))
             assert result.returncode == 2 and "Traceback" not in result.stderr
             assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_same_seed_and_config_record_the_same_trace(tmp_path):
+    """Two recordings of one run agree in every field but timings and timestamps."""
+    paths = [tmp_path / f"run{i}.h5" for i in range(2)]
+    for path in paths:
+        result = kdtree("record", "--backend", "reference", "--model", "small", "--drafter", "noisy:0.6",
+                        "--budget", "12", "--seed", "7", "--max-new-tokens", "16", "--out", str(path))
+        assert result.returncode == 0, result.stderr
+    with open_trace(paths[0]) as first, open_trace(paths[1]) as second:
+        assert first.num_steps == second.num_steps > 1
+        for i in range(first.num_steps):
+            a, b = first.step(i).as_dict(), second.step(i).as_dict()
+            assert a.keys() == b.keys()
+            for name in a:
+                if not name.startswith("time_"):
+                    np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=name)
+        np.testing.assert_array_equal(first.output_tokens, second.output_tokens)
+        meta_a, meta_b = (dict(r.metadata) for r in (first, second))
+        for meta in (meta_a, meta_b):
+            for key in [k for k in meta if "time" in k]:
+                del meta[key]
+        assert json.dumps(meta_a, sort_keys=True, default=str) == json.dumps(meta_b, sort_keys=True, default=str)
