@@ -51,7 +51,9 @@ def _record(cfg, model, ops, prompt, new_tokens, mode, drafter_args, path):
 
 def run(quick: bool = False) -> list[dict]:
     cfg, model, ops, _ = load_model(quick)
-    new_tokens, block, budget, repeats = (2, 3, 2, 1) if quick else (48, 8, 7, 3)
+    # Host-bound AR steps vary by milliseconds from run to run (seen: +-4 ms per step on `small`), so the
+    # overhead compares the fastest of several alternating runs; the medians go into the note.
+    new_tokens, block, budget, repeats = (2, 3, 2, 1) if quick else (48, 8, 7, 7)
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, cfg.vocab_size, 4 if quick else 32).astype(np.int64)
     if quick:  # the simulator is slow: random "golden" tokens (the oracle then misses; every path still runs)
@@ -75,13 +77,15 @@ def run(quick: bool = False) -> list[dict]:
                 wall, spent, steps = _record(cfg, model, ops, prompt, new_tokens, mode, args, path)
                 traced.append(wall)
                 writes.append(spent / wall)
-            plain_s, traced_s = statistics.median(plain), statistics.median(traced)
+            plain_s, traced_s = min(plain), min(traced)
             overhead = (traced_s - plain_s) / traced_s
             label = "AR" if mode == "ar" else f"DDTree oracle B={budget}"
             rows.append(row(SUITE, f"{label} recording overhead", 100 * overhead, "%",
                             target=f"<= {100 * TARGET_OVERHEAD:g}%", ok=None if quick else overhead <= TARGET_OVERHEAD,
-                            note=f"wall {plain_s * 1e3:.4g} ms without, {traced_s * 1e3:.4g} ms with a trace "
-                                 f"({steps} steps); writer alone {100 * statistics.median(writes):.2g}%"))
+                            note=f"fastest of {repeats}: {plain_s * 1e3:.4g} ms without, {traced_s * 1e3:.4g} ms with a "
+                                 f"trace ({steps} steps); medians {statistics.median(plain) * 1e3:.4g} / "
+                                 f"{statistics.median(traced) * 1e3:.4g} ms; writer alone "
+                                 f"{100 * statistics.median(writes):.2g}%"))
             rows.append(row(SUITE, f"{label} bytes per step", os.path.getsize(path) / steps, "B",
                             note=f"{os.path.getsize(path)} B file, {steps} steps, gzip"))
     return rows
