@@ -20,7 +20,10 @@ SHOTS = (("tree.svg", (), 7), ("logits.svg", ("2",), 7), ("cache.svg", ("3",), 2
          ("compare.svg", ("5",), 10), ("help.svg", ("question_mark",), 0), ("light.svg", ("d",), 12))
 
 
-class _StableReader:
+class StableReader:
+    """Wraps a TraceReader so pictures do not depend on measured values: the trace's own write times
+    (the only timings traces measure itself) read as 0."""
+
     def __init__(self, reader):
         self._reader = reader
 
@@ -32,10 +35,10 @@ class _StableReader:
         return np.zeros_like(values) if name == "time_trace_write" else values
 
 
-def _opener(path):
+def stable_opener(path):
     from traces.reader import open_trace
 
-    return _StableReader(open_trace(path))
+    return StableReader(open_trace(path))
 
 
 async def _shoot(app: TraceApp, keys, step: int, out: str) -> None:
@@ -61,7 +64,7 @@ def write_screenshots(directory: str) -> list[str]:
         a = write_synthetic_trace(os.path.join(tmp, "budget16.h5"), 400)
         b = write_synthetic_trace(os.path.join(tmp, "budget4.h5"), 400, budget=4, seed=3)
         for name, keys, step in SHOTS:
-            app = TraceApp(a, compare=b, opener=_opener)
+            app = TraceApp(a, compare=b, opener=stable_opener)
             out = os.path.join(directory, name)
             asyncio.run(_shoot(app, keys, step, out))
             written.append(out)

@@ -5,8 +5,8 @@ never from the app's own computations.
 """
 from __future__ import annotations
 
-import numpy as np
 
+from kdtree_tui.screenshots import stable_opener  # noqa: F401  (re-exported to the snapshot tests)
 from kdtree_tui.synthetic import synthetic_records, write_synthetic_trace
 
 # A small trace: 120 steps, block 8, budget 16 (anomalies every 29 steps).
@@ -32,27 +32,6 @@ async def settle(app, pilot, rounds: int = 3) -> None:
         except WorkerCancelled:  # an exclusive worker replaced by a newer one (follow polling)
             pass
         await pilot.pause()
-
-
-class StableReader:
-    """Wraps a TraceReader so snapshots do not depend on measured values: the trace's own write times
-    (the only timings traces measure itself) read as 0."""
-
-    def __init__(self, reader):
-        self._reader = reader
-
-    def __getattr__(self, name):
-        return getattr(self._reader, name)
-
-    def column(self, name):
-        values = self._reader.column(name)
-        return np.zeros_like(values) if name == "time_trace_write" else values
-
-
-def stable_opener(path):
-    from traces.reader import open_trace
-
-    return StableReader(open_trace(path))
 
 
 def brute_flags(records, dlogit=1e-4, min_tau=2, cache=1e-4) -> list[set]:
