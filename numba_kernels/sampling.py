@@ -1,6 +1,10 @@
 """Token choice over the vocabulary, one block per row: argmax, top-k with margin, Gumbel-max sampling
 (grid-stride over rows: the simulator runs one block, numba_kernels.warp.row_blocks).
 
+Large vocabularies (V > SPLIT_MIN_VOCAB, e.g. K2's 163840) are split: a first launch gives each (row, vocabulary
+chunk) its own block and keeps the chunk's best candidates, a second merges a row's candidates in one block. One
+block per row would leave all but s of the GPU's 132 SMs idle (a k2-mini AR step: 0.5 ms of top-k on one SM).
+
 Bit-exact to engine.sampling_ref (ties -> lowest id; the same splitmix64 noise keyed by seed and absolute
 position; float64 log may differ from numpy's by an ulp, which matters only at exact float64 ties).
 Dimension letters: s rows (query tokens / tree nodes), V vocabulary.
@@ -12,10 +16,12 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, int32, uint64
 
-from numba_kernels.warp import INT32_MAX, ON_SIMULATOR, block_argmax, row_blocks, to_device
+from numba_kernels.warp import INT32_MAX, MAX_ROW_BLOCKS, ON_SIMULATOR, block_argmax, row_blocks, to_device
 
 ROW_THREADS = 8 if ON_SIMULATOR else 256
 MAX_TOPK = 16
+SPLIT_MIN_VOCAB = 8192     # above this, argmax / top-k run over vocabulary chunks, then merge per row
+SPLIT_CHUNK = 4096         # vocabulary entries per block of the first launch (16 per thread)
 GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 MIX_MUL_1 = np.uint64(0xBF58476D1CE4E5B9)
 MIX_MUL_2 = np.uint64(0x94D049BB133111EB)
@@ -127,6 +133,115 @@ def topk_rows_kernel(logits, top_ids, top_values, margins):
                 elif r == 1:
                     margins[row] = first - best if best_id != INT32_MAX else float32(math.inf)
 
+@cuda.jit(device=True, inline=True)
+def _ranks_before(value, index, other_value, other_index):
+    """(value, index) comes first in top-k order: larger value, ties -> lower id."""
+    return value > other_value or (value == other_value and index < other_index)
+
+
+@cuda.jit
+def chunk_candidates_kernel(logits, chunk, cand_ids, cand_values):
+    """First launch of the split top-k / argmax: block (row, c) keeps the best R = cand_ids.shape[2] entries of
+    logits[row, c*chunk : (c+1)*chunk] in top-k order -> cand_ids int32 [s, C, R], cand_values float32
+    [s, C, R] (fewer than R entries: padded with INT32_MAX / -inf). Grid (C, rows), rows grid-stride."""
+    tid = cuda.threadIdx.x
+    scratch = cuda.shared.array(ROW_THREADS, float32)
+    scratch_ids = cuda.shared.array(ROW_THREADS, int32)
+    mine = cuda.local.array(MAX_TOPK, float32)
+    mine_ids = cuda.local.array(MAX_TOPK, int32)
+    rounds = cand_ids.shape[2]
+    c = cuda.blockIdx.x
+    start = c * chunk
+    stop = min(start + chunk, logits.shape[1])
+    for row in range(cuda.blockIdx.y, logits.shape[0], cuda.gridDim.y):  # block-uniform: block_argmax syncs
+        held = 0
+        for v in range(start + tid, stop, cuda.blockDim.x):
+            value = logits[row, v]
+            if held == rounds and not value > mine[rounds - 1]:
+                continue  # this thread's ids increase: an equal value loses
+            slot = held if held < rounds else rounds - 1
+            while slot > 0 and value > mine[slot - 1]:
+                mine[slot] = mine[slot - 1]
+                mine_ids[slot] = mine_ids[slot - 1]
+                slot -= 1
+            mine[slot] = value
+            mine_ids[slot] = v
+            if held < rounds:
+                held += 1
+        head = 0
+        for r in range(rounds):
+            value = mine[head] if head < held else float32(-math.inf)
+            index = mine_ids[head] if head < held else INT32_MAX
+            best, best_id = block_argmax(value, int32(index), scratch, scratch_ids)
+            if head < held and mine_ids[head] == best_id:
+                head += 1
+            if tid == 0:
+                cand_ids[row, c, r] = best_id
+                cand_values[row, c, r] = best
+
+
+@cuda.jit
+def merge_candidates_kernel(cand_ids, cand_values, top_ids, top_values, margins):
+    """Second launch: per row, the best k of the C*R candidates -> top_ids int32 [s, k], top_values float32
+    [s, k], margins float32 [s] (top1 - top2; +inf without a second entry). k = top_ids.shape[1] <= R;
+    top_values / margins may be zero-size arrays (argmax: only ids wanted). One block per row."""
+    tid = cuda.threadIdx.x
+    scratch = cuda.shared.array(ROW_THREADS, float32)
+    scratch_ids = cuda.shared.array(ROW_THREADS, int32)
+    mine = cuda.local.array(MAX_TOPK, float32)
+    mine_ids = cuda.local.array(MAX_TOPK, int32)
+    k = top_ids.shape[1]
+    rounds = max(k, 2) if margins.shape[0] > 0 else k
+    candidates = cand_ids.shape[1] * cand_ids.shape[2]
+    for row in range(cuda.blockIdx.x, cand_ids.shape[0], cuda.gridDim.x):
+        held = 0
+        for j in range(tid, candidates, cuda.blockDim.x):
+            index = cand_ids[row, j // cand_ids.shape[2], j % cand_ids.shape[2]]
+            value = cand_values[row, j // cand_ids.shape[2], j % cand_ids.shape[2]]
+            if index == INT32_MAX:
+                continue  # padding
+            if held == rounds and not _ranks_before(value, index, mine[rounds - 1], mine_ids[rounds - 1]):
+                continue
+            slot = held if held < rounds else rounds - 1
+            while slot > 0 and _ranks_before(value, index, mine[slot - 1], mine_ids[slot - 1]):
+                mine[slot] = mine[slot - 1]
+                mine_ids[slot] = mine_ids[slot - 1]
+                slot -= 1
+            mine[slot] = value
+            mine_ids[slot] = index
+            if held < rounds:
+                held += 1
+        head = 0
+        first = float32(0.0)
+        for r in range(rounds):
+            value = mine[head] if head < held else float32(-math.inf)
+            index = mine_ids[head] if head < held else INT32_MAX
+            best, best_id = block_argmax(value, int32(index), scratch, scratch_ids)
+            if head < held and mine_ids[head] == best_id:
+                head += 1
+            if tid == 0:
+                if r < k:
+                    top_ids[row, r] = best_id
+                    if top_values.shape[0] > 0:
+                        top_values[row, r] = best
+                if margins.shape[0] > 0:
+                    if r == 0:
+                        first = best
+                    elif r == 1:
+                        margins[row] = first - best if best_id != INT32_MAX else float32(math.inf)
+
+
+def _split_topk(logits, k: int, rounds: int, top_ids, top_values, margins, chunk: int):
+    """The two launches of a split top-k (see chunk_candidates_kernel / merge_candidates_kernel)."""
+    rows, vocab = logits.shape
+    chunks = (vocab + chunk - 1) // chunk
+    cand_ids = cuda.device_array((rows, chunks, rounds), np.int32)
+    cand_values = cuda.device_array((rows, chunks, rounds), np.float32)
+    chunk_candidates_kernel[(chunks, min(rows, MAX_ROW_BLOCKS)), ROW_THREADS](to_device(logits), chunk, cand_ids,
+                                                                            cand_values)
+    merge_candidates_kernel[row_blocks(rows), ROW_THREADS](cand_ids, cand_values, top_ids, top_values, margins)
+
+
 
 def _check_logits(logits):
     if len(logits.shape) != 2 or logits.dtype != np.float32 or logits.shape[0] == 0 or logits.shape[1] == 0:
@@ -135,10 +250,16 @@ def _check_logits(logits):
         raise ValueError(f"vocabulary {logits.shape[1]} too large for int32 ids")
 
 
-def argmax_rows(logits):
-    """Device int32 [s]: greedy token per row of float32 logits [s, V] (numpy or device)."""
+def argmax_rows(logits, split_chunk: int | None = None):
+    """Device int32 [s]: greedy token per row of float32 logits [s, V] (numpy or device). V > SPLIT_MIN_VOCAB
+    (or ``split_chunk`` given): over vocabulary chunks of SPLIT_CHUNK (``split_chunk``) entries, then merged."""
     _check_logits(logits)
     ids = cuda.device_array(logits.shape[0], np.int32)
+    if split_chunk or logits.shape[1] > SPLIT_MIN_VOCAB:
+        none = cuda.device_array(0, np.float32)
+        _split_topk(logits, 1, 1, ids.reshape(logits.shape[0], 1), cuda.device_array((0, 1), np.float32), none,
+                    split_chunk or SPLIT_CHUNK)
+        return ids
     argmax_rows_kernel[row_blocks(logits.shape[0]), ROW_THREADS](to_device(logits), ids)
     return ids
 
@@ -160,8 +281,9 @@ def sample_rows(logits, temperature: float, seed: int, positions):
     return ids
 
 
-def topk_rows(logits, k: int):
-    """(ids int32 [s, k], values float32 [s, k], margins float32 [s]) device arrays, ties -> lower id."""
+def topk_rows(logits, k: int, split_chunk: int | None = None):
+    """(ids int32 [s, k], values float32 [s, k], margins float32 [s]) device arrays, ties -> lower id.
+    V > SPLIT_MIN_VOCAB (or ``split_chunk`` given): over vocabulary chunks, then merged per row."""
     _check_logits(logits)
     if not 1 <= k <= min(MAX_TOPK, logits.shape[1]):
         raise ValueError(f"k must be in 1..min({MAX_TOPK}, V={logits.shape[1]}), got {k}")
@@ -169,5 +291,8 @@ def topk_rows(logits, k: int):
     top_ids = cuda.device_array((rows, k), np.int32)
     top_values = cuda.device_array((rows, k), np.float32)
     margins = cuda.device_array(rows, np.float32)
+    if split_chunk or logits.shape[1] > SPLIT_MIN_VOCAB:
+        _split_topk(logits, k, max(k, 2), top_ids, top_values, margins, split_chunk or SPLIT_CHUNK)
+        return top_ids, top_values, margins
     topk_rows_kernel[row_blocks(rows), ROW_THREADS](to_device(logits), top_ids, top_values, margins)
     return top_ids, top_values, margins
