@@ -6,20 +6,26 @@ For query token i, head h (a "row" ρ = i*h_count + h of the s*h query-head pair
 Row t < P (prefix_len) is visible to all; in-flight row P + j is visible to query i when bit j of
 visibility[i] is set (word j // 32, bit j % 32). Causal prefill is the lower-triangular mask, AR decode s = 1.
 
+All heads share one key/value row per cached token (multi-query attention), so this is a flash-attention
+forward of two fp32 GEMMs, S = Q[ρ, c+r] K[t, c+r]^T and O = softmax(S) K[t, :c], in SIMT registers.
 Split-K (flash-decoding): block (row tile, split) runs an online softmax over its range of key rows and
 writes either o_lat directly (one split) or a normalised partial plus its log-sum-exp; a merge kernel
-combines the partials. Inside a block, per tile of KEY_TILE key rows:
-  A. the key rows [KEY_TILE, c+r] go to shared memory once (coalesced, padded rows: no bank conflicts);
-     q chunks [ROW_TILE, Q_CHUNK] stream through shared memory; each thread accumulates a register tile
-     of A_ROWS x A_KEYS scores;
-  B. one thread per row updates the running max / sum (fp32, max subtraction) and turns scores into p;
-  C. each thread owns a register tile of C_ROWS rows x C_COLS latent columns of o and adds p @ keys[:, :c]
-     from the same shared key rows (columns strided by the warp width: conflict-free, coalesced stores).
+combines the partials. A block owns `rows` query rows and walks its keys in tiles of `keys` rows; each tile
+runs as a sequence of stages, each staged through one shared buffer while the next stage's global loads are
+already in flight (register prefetch):
+  S stages: chunks of `d_chunk` dimensions of q [rows, d] and k [keys, d], stored transposed (padded:
+     conflict-free); each thread accumulates an s_rows x s_keys register tile of scores;
+  softmax: mask, scale, per-row max and sum through small shared partials; probabilities p to shared;
+  V stages: chunks of `v_chunk` key rows [v_chunk, c]; each thread owns an o_rows x o_cols register tile of
+     o (columns strided by the column-group count: coalesced, conflict-free) and adds p @ v.
+Tile sizes are a TileConfig; attention_kernel(config) builds and caches the kernel for one.
 Dimension letters: s query tokens, h heads, c kv_lora_rank, r qk_rope_head_dim, t key rows.
 """
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple, Optional
 
 import numpy as np
 from numba import cuda, float32, uint32
@@ -27,30 +33,62 @@ from numba import cuda, float32, uint32
 from numba_kernels.rmsnorm import as_device_array, is_device_array
 from numba_kernels.warp import ON_SIMULATOR, row_blocks
 
-if ON_SIMULATOR:  # toy shapes: every simulated thread is a Python thread
-    THREADS, ROW_TILE, KEY_TILE, Q_CHUNK = 8, 8, 4, 4
-    MAX_LATENT, MAX_ROPE, C_COL_GROUPS = 32, 8, 4
-else:  # shared memory: keys 16*577*4 + q 64*17*4 + p 64*17*4 + 3*64*4 = 46.6 KB (< 48 KB static)
-    THREADS, ROW_TILE, KEY_TILE, Q_CHUNK = 256, 64, 16, 16
-    MAX_LATENT, MAX_ROPE, C_COL_GROUPS = 512, 64, 32
+MAX_LATENT, MAX_ROPE = (32, 8) if ON_SIMULATOR else (512, 64)  # toy shapes on the simulator
 MAX_WIDTH = MAX_LATENT + MAX_ROPE
-KEY_STRIDE = MAX_WIDTH + 1      # +1: row n starts in bank n, so threads reading different keys never collide
-Q_STRIDE = Q_CHUNK + 1
-P_STRIDE = KEY_TILE + 1
-A_KEYS = 2                                  # phase A register tile: A_ROWS rows x A_KEYS keys per thread
-A_KEY_GROUPS = KEY_TILE // A_KEYS
-A_ROW_GROUPS = THREADS // A_KEY_GROUPS
-A_ROWS = ROW_TILE // A_ROW_GROUPS
-C_ROW_GROUPS = THREADS // C_COL_GROUPS      # phase C register tile: C_ROWS rows x C_COLS columns per thread
-C_ROWS = ROW_TILE // C_ROW_GROUPS
-C_COLS = MAX_LATENT // C_COL_GROUPS
-A_TILE = A_ROWS * A_KEYS                    # array sizes must be plain constants for Numba
-C_TILE = C_ROWS * C_COLS
-Q_LOADS = ROW_TILE * Q_CHUNK // THREADS     # q chunk elements each thread loads
-assert A_ROWS * A_ROW_GROUPS == ROW_TILE and C_ROWS * C_ROW_GROUPS == ROW_TILE and MAX_WIDTH % Q_CHUNK == 0
-assert Q_LOADS * THREADS == ROW_TILE * Q_CHUNK
 MERGE_THREADS = 8 if ON_SIMULATOR else 128
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q reloads, merge) outweighs the parallelism
+SHARED_LIMIT = 48 * 1024  # static shared memory per block
+
+
+class TileConfig(NamedTuple):
+    """Launch shape of the attention kernel. threads = (rows / s_rows) * (keys / s_keys) score tiles =
+    (rows / o_rows) * (MAX_LATENT / o_cols) o tiles; blocks_per_sm: how many fit an SM (for the split count)."""
+    rows: int = 64           # query rows (token, head pairs) per block
+    keys: int = 64           # key rows per tile
+    d_chunk: int = 32        # score stage: dimensions of c + r staged at a time
+    v_chunk: int = 8         # value stage: key rows staged at a time
+    s_rows: int = 4          # score register tile per thread
+    s_keys: int = 4
+    o_cols: int = 16         # o register tile per thread: o_rows (derived) x o_cols
+    threads: int = 256
+    blocks_per_sm: int = 1
+    fastmath: bool = False
+    max_registers: Optional[int] = None
+
+    @property
+    def o_rows(self) -> int:
+        return self.rows * (MAX_LATENT // self.o_cols) // self.threads
+
+    def shared_floats(self) -> tuple[int, int]:
+        """(stage buffer, probability tile) sizes in floats."""
+        key_groups = self.keys // self.s_keys
+        stage = max(self.d_chunk * (self.rows + 1 + self.keys + 1), self.v_chunk * MAX_LATENT,
+                    key_groups * (self.rows + 1))
+        return stage, self.rows * (self.keys + 1)
+
+    def check(self) -> None:
+        """ValueError naming the first broken divisibility or size rule."""
+        t, bm, bn = self.threads, self.rows, self.keys
+        rules = [
+            ((bm // self.s_rows) * (bn // self.s_keys) == t and bm % self.s_rows == 0 and bn % self.s_keys == 0,
+             "threads == (rows / s_rows) * (keys / s_keys)"),
+            (MAX_LATENT % self.o_cols == 0 and t % (MAX_LATENT // self.o_cols) == 0
+             and self.o_rows * t == bm * (MAX_LATENT // self.o_cols), "o tile: rows * MAX_LATENT == threads * o tile"),
+            ((bm * self.d_chunk) % t == 0 and (bn * self.d_chunk) % t == 0, "(rows, keys) * d_chunk divisible by threads"),
+            ((self.v_chunk * MAX_LATENT) % t == 0 and bn % self.v_chunk == 0, "v_chunk * MAX_LATENT % threads, keys % v_chunk"),
+            (bm <= t, "rows <= threads (one thread per row updates the softmax state)"),
+            (4 * (sum(self.shared_floats()) + 3 * bm) <= SHARED_LIMIT, "shared memory <= 48 KB"),
+        ]
+        for ok, rule in rules:
+            if not ok:
+                raise ValueError(f"bad TileConfig {self}: needs {rule}")
+
+
+if ON_SIMULATOR:  # every simulated thread is a Python thread: tiny tiles
+    DEFAULT_CONFIG = TileConfig(rows=8, keys=4, d_chunk=4, v_chunk=2, s_rows=2, s_keys=2, o_cols=8, threads=8)
+else:  # shared: stage 16.6 KB + p 16.6 KB; o tile 8 x 16 = 128 registers per thread
+    DEFAULT_CONFIG = TileConfig()
+ROW_TILE = DEFAULT_CONFIG.rows
 
 
 @cuda.jit(device=True, inline=True)
@@ -62,152 +100,232 @@ def key_visible(token, key, prefix_len, visibility):
     return (visibility[token, j >> 5] >> uint32(j & 31)) & uint32(1) != uint32(0)
 
 
-@cuda.jit(device=True, inline=True)
-def load_q(q_lat, q_pe, row0, d0, index):
-    """Element `index` of the q chunk [ROW_TILE, Q_CHUNK] at rows row0.., dimensions d0.. of [q_lat | q_pe];
-    0 past the last row or dimension."""
-    heads, latent = q_lat.shape[1], q_lat.shape[2]
-    m = index // Q_CHUNK
-    d = d0 + index - m * Q_CHUNK
-    row = row0 + m
-    if row >= q_lat.shape[0] * heads or d >= latent + q_pe.shape[2]:
-        return float32(0.0)
-    token = row // heads
-    head = row - token * heads
-    return q_lat[token, head, d] if d < latent else q_pe[token, head, d - latent]
+@functools.lru_cache(maxsize=None)
+def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
+    """The split-K attention kernel for one TileConfig (built once per config)."""
+    config.check()
+    T, BM, BN, DK, NK = config.threads, config.rows, config.keys, config.d_chunk, config.v_chunk
+    SR, SK, OC, OR = config.s_rows, config.s_keys, config.o_cols, config.o_rows
+    RG, KG = BM // SR, BN // SK                 # score tile: thread (rg, kg) owns rows rg + RG*i, keys kg + KG*j
+    OCG = MAX_LATENT // OC                      # o tile: thread (org, ocg) owns rows org + ORG*i, cols ocg + OCG*k
+    ORG = T // OCG
+    Q_STRIDE, K_STRIDE, P_STRIDE = BM + 1, BN + 1, BN + 1  # +1: transposed stores and column reads hit distinct banks
+    K_OFFSET = DK * Q_STRIDE                   # stage buffer: q chunk [DK, BM+1] then k chunk [DK, BN+1]
+    STAGE_SIZE, P_SIZE = config.shared_floats()
+    Q_STEPS = BM * DK // T                     # prefetch registers: Q_STEPS q elements, then k elements
+    QK_LOADS = (BM + BN) * DK // T
+    V_LOADS = NK * MAX_LATENT // T
+    LOADS = max(QK_LOADS, V_LOADS)
+    S_TILE, O_TILE = SR * SK, OR * OC
+    compile_options = {} if ON_SIMULATOR else dict(launch_bounds=(T, config.blocks_per_sm))
+    if config.max_registers is not None and not ON_SIMULATOR:
+        compile_options["max_registers"] = config.max_registers
 
-
-@cuda.jit
-def mla_attention_split_kernel(q_lat, q_pe, cache, prefix_len, visibility, scale, keys_per_split, direct,
-                               out, o_part, lse_part):
-    """q_lat float32 [s, h, c]; q_pe float32 [s, h, r]; cache float32 [t, c+r] (one layer, rows < P + s used);
-    visibility uint32 [s, ceil(s/32)]; scale float32. Grid (row_blocks(ceil(s*h / ROW_TILE)), splits), THREADS
-    threads; grid-stride over the row tiles.
-    direct: write out [s, h, c] (one split); else o_part [splits, s, h, c] (normalised) and lse_part
-    [splits, s, h] (-inf and zeros for a split where the row sees nothing)."""
-    tid = cuda.threadIdx.x
-    split = cuda.blockIdx.y
-    tokens, heads, latent = q_lat.shape[0], q_lat.shape[1], q_lat.shape[2]
-    width = latent + q_pe.shape[2]
-    padded_width = (width + Q_CHUNK - 1) // Q_CHUNK * Q_CHUNK
-    rows = tokens * heads
-    key_begin = split * keys_per_split
-    key_end = min(prefix_len + tokens, key_begin + keys_per_split)
-
-    keys_s = cuda.shared.array((KEY_TILE, KEY_STRIDE), float32)
-    q_s = cuda.shared.array((ROW_TILE, Q_STRIDE), float32)
-    p_s = cuda.shared.array((ROW_TILE, P_STRIDE), float32)
-    row_max = cuda.shared.array(ROW_TILE, float32)
-    row_sum = cuda.shared.array(ROW_TILE, float32)
-    row_alpha = cuda.shared.array(ROW_TILE, float32)
-    acc_s = cuda.local.array(A_TILE, float32)
-    acc_o = cuda.local.array(C_TILE, float32)
-    q_next = cuda.local.array(Q_LOADS, float32)
-
-    a_key_group = tid % A_KEY_GROUPS
-    a_row_group = tid // A_KEY_GROUPS
-    c_col_group = tid % C_COL_GROUPS
-    c_row_group = tid // C_COL_GROUPS
-    for row0 in range(cuda.blockIdx.x * ROW_TILE, rows, cuda.gridDim.x * ROW_TILE):  # block-uniform
-        cuda.syncthreads()  # the previous row tile's write-out has read row_sum / row_max
-        if tid < ROW_TILE:
-            row_max[tid] = -math.inf
-            row_sum[tid] = 0.0
-        for k in range(C_ROWS * C_COLS):
-            acc_o[k] = 0.0
-
-        for tile_begin in range(key_begin, key_end, KEY_TILE):
-            cuda.syncthreads()  # the previous tile's phase C is done with keys_s / p_s; row state initialised
-            for index in range(tid, KEY_TILE * padded_width, THREADS):
-                n = index // padded_width
-                column = index - n * padded_width
-                key = tile_begin + n
-                keys_s[n, column] = cache[key, column] if key < key_end and column < width else 0.0
-            for k in range(A_ROWS * A_KEYS):
-                acc_s[k] = 0.0
-            # ---- A: scores of the tile; q streams through q_s in chunks of Q_CHUNK dimensions, the next chunk
-            # prefetched into registers while this one is used (hides the global-load latency)
-            for k in range(Q_LOADS):
-                q_next[k] = load_q(q_lat, q_pe, row0, 0, tid + THREADS * k)
-            for d0 in range(0, padded_width, Q_CHUNK):
-                for k in range(Q_LOADS):
-                    index = tid + THREADS * k
-                    q_s[index // Q_CHUNK, index % Q_CHUNK] = q_next[k]
-                cuda.syncthreads()  # q chunk (and, on the first chunk, the key tile) stored
-                if d0 + Q_CHUNK < padded_width:
-                    for k in range(Q_LOADS):
-                        q_next[k] = load_q(q_lat, q_pe, row0, d0 + Q_CHUNK, tid + THREADS * k)
-                for dd in range(Q_CHUNK):
-                    for i in range(A_ROWS):
-                        q = q_s[a_row_group + A_ROW_GROUPS * i, dd]
-                        for j in range(A_KEYS):
-                            acc_s[i * A_KEYS + j] += q * keys_s[a_key_group + A_KEY_GROUPS * j, d0 + dd]
-                cuda.syncthreads()  # all threads done with this q chunk before the next overwrites it
-            for i in range(A_ROWS):
-                m = a_row_group + A_ROW_GROUPS * i
+    @cuda.jit(device=True, inline=True)
+    def load_qk(q_lat, q_pe, cache, row0, key0, key_end, d0, pre):
+        """Prefetch the S stage at dimension d0: q [BM, DK] of rows row0.. and k [BN, DK] of keys key0.."""
+        tid = cuda.threadIdx.x
+        heads, latent = q_lat.shape[1], q_lat.shape[2]
+        width = latent + q_pe.shape[2]
+        for k in range(QK_LOADS):
+            e = tid + T * k
+            if k < Q_STEPS:
+                m = e // DK
+                d = d0 + e - m * DK
                 row = row0 + m
-                token = row // heads
-                for j in range(A_KEYS):
-                    n = a_key_group + A_KEY_GROUPS * j
-                    key = tile_begin + n
-                    visible = row < rows and key < key_end and key_visible(token, key, prefix_len, visibility)
-                    p_s[m, n] = acc_s[i * A_KEYS + j] * scale if visible else -math.inf
-            cuda.syncthreads()  # scores stored before the row softmax reads them
-            # ---- B: online softmax, one thread per row
-            if tid < ROW_TILE:
-                old_max = row_max[tid]
-                new_max = old_max
-                for n in range(KEY_TILE):
-                    new_max = max(new_max, p_s[tid, n])
-                total = float32(0.0)
-                if new_max == -math.inf:  # nothing visible yet: exp(-inf - -inf) would be NaN
-                    alpha = float32(1.0)
-                    for n in range(KEY_TILE):
-                        p_s[tid, n] = 0.0
-                else:
-                    alpha = math.exp(old_max - new_max)  # 0 when old_max is -inf
-                    for n in range(KEY_TILE):
-                        p = math.exp(p_s[tid, n] - new_max)
-                        p_s[tid, n] = p
-                        total += p
-                row_max[tid] = new_max
-                row_sum[tid] = row_sum[tid] * alpha + total
-                row_alpha[tid] = alpha
-            cuda.syncthreads()  # probabilities and rescale factors ready
-            # ---- C: o = o * alpha + p @ keys[:, :c]
-            for i in range(C_ROWS):
-                alpha = row_alpha[c_row_group + C_ROW_GROUPS * i]
-                for k in range(C_COLS):
-                    acc_o[i * C_COLS + k] *= alpha
-            for n in range(KEY_TILE):
-                for i in range(C_ROWS):
-                    p = p_s[c_row_group + C_ROW_GROUPS * i, n]
-                    for k in range(C_COLS):
-                        acc_o[i * C_COLS + k] += p * keys_s[n, c_col_group + C_COL_GROUPS * k]
-        cuda.syncthreads()  # row state final (also when this split had no key tile)
-
-        for i in range(C_ROWS):
-            m = c_row_group + C_ROW_GROUPS * i
-            row = row0 + m
-            if row >= rows:
-                continue
-            token = row // heads
-            head = row - token * heads
-            total = row_sum[m]
-            if direct:
-                inv = float32(1.0) / total if total > 0 else float32(math.nan)  # NaN: the query saw no key
-                for k in range(C_COLS):
-                    column = c_col_group + C_COL_GROUPS * k
-                    if column < latent:
-                        out[token, head, column] = acc_o[i * C_COLS + k] * inv
+                value = float32(0.0)
+                if row < q_lat.shape[0] * heads and d < width:
+                    token = row // heads
+                    head = row - token * heads
+                    value = q_lat[token, head, d] if d < latent else q_pe[token, head, d - latent]
+                pre[k] = value
             else:
-                inv = float32(1.0) / total if total > 0 else float32(0.0)
-                for k in range(C_COLS):
-                    column = c_col_group + C_COL_GROUPS * k
-                    if column < latent:
-                        o_part[split, token, head, column] = acc_o[i * C_COLS + k] * inv
-                if c_col_group == 0:
-                    lse_part[split, token, head] = row_max[m] + math.log(total) if total > 0 else -math.inf
+                e -= BM * DK
+                n = e // DK
+                d = d0 + e - n * DK
+                key = key0 + n
+                pre[k] = cache[key, d] if key < key_end and d < width else float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def store_qk(pre, stage):
+        tid = cuda.threadIdx.x
+        for k in range(QK_LOADS):
+            e = tid + T * k
+            if k < Q_STEPS:
+                m = e // DK
+                stage[(e - m * DK) * Q_STRIDE + m] = pre[k]
+            else:
+                e -= BM * DK
+                n = e // DK
+                stage[K_OFFSET + (e - n * DK) * K_STRIDE + n] = pre[k]
+
+    @cuda.jit(device=True, inline=True)
+    def load_v(cache, latent, key0, key_end, pre):
+        """Prefetch the V stage of keys key0..key0+NK: [NK, MAX_LATENT] (zeros past c and past key_end)."""
+        tid = cuda.threadIdx.x
+        for k in range(V_LOADS):
+            e = tid + T * k
+            n = e // MAX_LATENT
+            column = e - n * MAX_LATENT
+            key = key0 + n
+            pre[k] = cache[key, column] if key < key_end and column < latent else float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def store_v(pre, stage):
+        tid = cuda.threadIdx.x
+        for k in range(V_LOADS):
+            stage[tid + T * k] = pre[k]
+
+    @cuda.jit(fastmath=config.fastmath, **compile_options)
+    def mla_attention_split_kernel(q_lat, q_pe, cache, prefix_len, visibility, scale, keys_per_split, direct,
+                                   out, o_part, lse_part):
+        """q_lat float32 [s, h, c]; q_pe float32 [s, h, r]; cache float32 [t, c+r] (one layer, rows < P + s
+        used); visibility uint32 [s, ceil(s/32)]; scale float32. Grid (row_blocks(ceil(s*h / BM)), splits),
+        T threads; grid-stride over the row tiles.
+        direct: write out [s, h, c] (one split); else o_part [splits, s, h, c] (normalised) and lse_part
+        [splits, s, h] (-inf and zeros for a split where the row sees nothing)."""
+        tid = cuda.threadIdx.x
+        split = cuda.blockIdx.y
+        tokens, heads, latent = q_lat.shape[0], q_lat.shape[1], q_lat.shape[2]
+        width = latent + q_pe.shape[2]
+        s_stages = (width + DK - 1) // DK
+        rows = tokens * heads
+        key_begin = split * keys_per_split
+        key_end = min(prefix_len + tokens, key_begin + keys_per_split)
+        n_tiles = (max(key_end - key_begin, 0) + BN - 1) // BN
+
+        stage = cuda.shared.array(STAGE_SIZE, float32)
+        p_s = cuda.shared.array(P_SIZE, float32)          # probabilities [BM, BN+1]
+        row_max = cuda.shared.array(BM, float32)
+        row_sum = cuda.shared.array(BM, float32)
+        row_alpha = cuda.shared.array(BM, float32)
+        acc_s = cuda.local.array(S_TILE, float32)
+        acc_o = cuda.local.array(O_TILE, float32)
+        pre = cuda.local.array(LOADS, float32)
+        q_val = cuda.local.array(SR, float32)
+        k_val = cuda.local.array(SK, float32)
+        p_val = cuda.local.array(OR, float32)
+
+        rg, kg = tid // KG, tid % KG
+        org, ocg = tid // OCG, tid % OCG
+        for row0 in range(cuda.blockIdx.x * BM, rows, cuda.gridDim.x * BM):  # block-uniform
+            cuda.syncthreads()  # the previous row tile's write-out has read row_sum / row_max
+            if tid < BM:
+                row_max[tid] = -math.inf
+                row_sum[tid] = 0.0
+            for k in range(O_TILE):
+                acc_o[k] = 0.0
+            if n_tiles > 0:
+                load_qk(q_lat, q_pe, cache, row0, key_begin, key_end, 0, pre)
+            for tile in range(n_tiles):
+                tile_begin = key_begin + tile * BN
+                tile_keys = min(BN, key_end - tile_begin)
+                v_stages = (tile_keys + NK - 1) // NK
+                for k in range(S_TILE):
+                    acc_s[k] = 0.0
+                for step in range(s_stages + v_stages):
+                    v_step = step - s_stages
+                    if v_step < 0:
+                        store_qk(pre, stage)
+                    else:
+                        store_v(pre, stage)
+                    cuda.syncthreads()  # stage stored (and, before the first, the row state initialised)
+                    if step + 1 < s_stages:  # next stage's global loads in flight during this one's FMAs
+                        load_qk(q_lat, q_pe, cache, row0, tile_begin, key_end, (step + 1) * DK, pre)
+                    elif step + 1 < s_stages + v_stages:
+                        load_v(cache, latent, tile_begin + (v_step + 1) * NK, key_end, pre)
+                    elif tile + 1 < n_tiles:
+                        load_qk(q_lat, q_pe, cache, row0, tile_begin + BN, key_end, 0, pre)
+                    if v_step < 0:  # ---- S: scores += q chunk . k chunk
+                        for dd in range(DK):
+                            for i in range(SR):
+                                q_val[i] = stage[dd * Q_STRIDE + rg + RG * i]
+                            for j in range(SK):
+                                k_val[j] = stage[K_OFFSET + dd * K_STRIDE + kg + KG * j]
+                            for i in range(SR):
+                                for j in range(SK):
+                                    acc_s[i * SK + j] += q_val[i] * k_val[j]
+                    else:  # ---- V: o += p @ v chunk
+                        n0 = v_step * NK
+                        for n in range(NK):
+                            for i in range(OR):
+                                p_val[i] = p_s[(org + ORG * i) * P_STRIDE + n0 + n]
+                            for k in range(OC):
+                                v = stage[n * MAX_LATENT + ocg + OCG * k]
+                                for i in range(OR):
+                                    acc_o[i * OC + k] += p_val[i] * v
+                    cuda.syncthreads()  # all threads done with this stage before the next is stored
+                    if step == s_stages - 1:  # ---- softmax of the tile (stage buffer free: row partials there)
+                        for i in range(SR):
+                            m = rg + RG * i
+                            row = row0 + m
+                            token = row // heads
+                            local_max = float32(-math.inf)
+                            for j in range(SK):
+                                n = kg + KG * j
+                                key = tile_begin + n
+                                visible = (row < rows and n < tile_keys
+                                           and key_visible(token, key, prefix_len, visibility))
+                                score = acc_s[i * SK + j] * scale if visible else float32(-math.inf)
+                                acc_s[i * SK + j] = score
+                                local_max = max(local_max, score)
+                            stage[kg * Q_STRIDE + m] = local_max
+                        cuda.syncthreads()  # row partial maxima stored
+                        if tid < BM:
+                            old_max = row_max[tid]
+                            new_max = old_max
+                            for k in range(KG):
+                                new_max = max(new_max, stage[k * Q_STRIDE + tid])
+                            row_max[tid] = new_max
+                            # nothing visible yet: keep alpha 1 (exp(-inf - -inf) would be NaN); 0 if old_max = -inf
+                            row_alpha[tid] = math.exp(old_max - new_max) if new_max != -math.inf else float32(1.0)
+                        cuda.syncthreads()  # row maxima and rescale factors ready; partial maxima read
+                        for i in range(SR):
+                            m = rg + RG * i
+                            top = row_max[m]
+                            local_sum = float32(0.0)
+                            for j in range(SK):
+                                p = math.exp(acc_s[i * SK + j] - top) if top != -math.inf else float32(0.0)
+                                p_s[m * P_STRIDE + kg + KG * j] = p
+                                local_sum += p
+                            stage[kg * Q_STRIDE + m] = local_sum
+                        for i in range(OR):
+                            alpha = row_alpha[org + ORG * i]
+                            for k in range(OC):
+                                acc_o[i * OC + k] *= alpha
+                        cuda.syncthreads()  # probabilities and row partial sums stored
+                        if tid < BM:
+                            total = float32(0.0)
+                            for k in range(KG):
+                                total += stage[k * Q_STRIDE + tid]
+                            row_sum[tid] = row_sum[tid] * row_alpha[tid] + total
+                        cuda.syncthreads()  # partial sums read before the first V stage overwrites them
+            cuda.syncthreads()  # row state final (also when this split had no key tile)
+
+            for i in range(OR):
+                m = org + ORG * i
+                row = row0 + m
+                if row >= rows:
+                    continue
+                token = row // heads
+                head = row - token * heads
+                total = row_sum[m]
+                if direct:
+                    inv = float32(1.0) / total if total > 0 else float32(math.nan)  # NaN: the query saw no key
+                    for k in range(OC):
+                        column = ocg + OCG * k
+                        if column < latent:
+                            out[token, head, column] = acc_o[i * OC + k] * inv
+                else:
+                    inv = float32(1.0) / total if total > 0 else float32(0.0)
+                    for k in range(OC):
+                        column = ocg + OCG * k
+                        if column < latent:
+                            o_part[split, token, head, column] = acc_o[i * OC + k] * inv
+                    if ocg == 0:
+                        lse_part[split, token, head] = row_max[m] + math.log(total) if total > 0 else -math.inf
+
+    return mla_attention_split_kernel
 
 
 @cuda.jit
@@ -253,12 +371,19 @@ def causal_visibility(tokens: int) -> np.ndarray:
     return pack_visibility(np.tri(tokens, dtype=bool))
 
 
-def default_num_splits(rows: int, total_keys: int) -> int:
-    """Enough (row tile, split) blocks for two waves over the SMs, at least MIN_KEYS_PER_SPLIT keys each."""
-    row_tiles = (rows + ROW_TILE - 1) // ROW_TILE
-    sms = 1 if ON_SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
-    wanted = (2 * sms + row_tiles - 1) // row_tiles
-    return max(1, min(wanted, total_keys // MIN_KEYS_PER_SPLIT))
+def default_num_splits(rows: int, total_keys: int, config: TileConfig = DEFAULT_CONFIG) -> int:
+    """Split count whose (row tile, split) blocks fill the SMs' block slots best (the fewest splits within 2%
+    of the best wave efficiency), at least MIN_KEYS_PER_SPLIT keys each."""
+    row_tiles = (rows + config.rows - 1) // config.rows
+    slots = (1 if ON_SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT) * config.blocks_per_sm
+    most = max(1, min(-(-slots // row_tiles), total_keys // MIN_KEYS_PER_SPLIT))
+
+    def efficiency(splits):
+        blocks = row_tiles * splits
+        return blocks / (-(-blocks // slots) * slots)
+
+    best = max(efficiency(splits) for splits in range(1, most + 1))
+    return next(splits for splits in range(1, most + 1) if efficiency(splits) >= best - 0.02)
 
 
 def _check_float32(name, array, shape):
@@ -267,13 +392,13 @@ def _check_float32(name, array, shape):
 
 
 def mla_attention(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: float, out=None,
-                  num_splits: int | None = None, stream=0):
+                  num_splits: int | None = None, stream=0, config: TileConfig = DEFAULT_CONFIG):
     """o_lat float32 [s, h, c] (device) of the absorbed MLA core.
 
     q_lat float32 [s, h, c] (q_nope @ W_UK); q_pe float32 [s, h, r] (roped; strided views are fine);
     cache_layer float32 [t, c+r] (rows [normed latent | roped k_pe]; the s in-flight rows at P..P+s-1);
     prefix_len P; visibility uint32 [s, ceil(s/32)] (pack_visibility / causal_visibility); scale: softmax
-    scale. num_splits: key-range splits (None: default_num_splits). A numpy mask is checked for queries
+    scale. num_splits: key-range splits (None: default_num_splits); config: tile sizes. A numpy mask is checked for queries
     that see no row; on the device such a query's output is NaN.
     """
     q_lat, q_pe, cache_layer = as_device_array(q_lat), as_device_array(q_pe), as_device_array(cache_layer)
@@ -313,23 +438,22 @@ def mla_attention(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: 
     rows = tokens * heads
     if rows == 0 or latent == 0:
         return out
-    splits = default_num_splits(rows, total_keys) if num_splits is None else int(num_splits)
+    splits = default_num_splits(rows, total_keys, config) if num_splits is None else int(num_splits)
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     keys_per_split = -(-total_keys // splits)
-    keys_per_split = -(-keys_per_split // KEY_TILE) * KEY_TILE
+    keys_per_split = -(-keys_per_split // config.keys) * config.keys
     splits = -(-total_keys // keys_per_split)  # rounding to whole key tiles may leave fewer splits
-    grid = (row_blocks((rows + ROW_TILE - 1) // ROW_TILE), splits)
+    grid = (row_blocks((rows + config.rows - 1) // config.rows), splits)
+    kernel, threads = attention_kernel(config), config.threads
     if splits == 1:
         dummy = cuda.device_array((1, 1, 1, 1), dtype=np.float32, stream=stream)
-        mla_attention_split_kernel[grid, THREADS, stream](q_lat, q_pe, cache_layer, prefix_len, visibility,
-                                                          np.float32(scale), keys_per_split, True, out, dummy,
-                                                          dummy[0])
+        kernel[grid, threads, stream](q_lat, q_pe, cache_layer, prefix_len, visibility, np.float32(scale),
+                                      keys_per_split, True, out, dummy, dummy[0])
         return out
     o_part = cuda.device_array((splits, tokens, heads, latent), dtype=np.float32, stream=stream)
     lse_part = cuda.device_array((splits, tokens, heads), dtype=np.float32, stream=stream)
-    mla_attention_split_kernel[grid, THREADS, stream](q_lat, q_pe, cache_layer, prefix_len, visibility,
-                                                      np.float32(scale), keys_per_split, False, out, o_part,
-                                                      lse_part)
+    kernel[grid, threads, stream](q_lat, q_pe, cache_layer, prefix_len, visibility, np.float32(scale),
+                                  keys_per_split, False, out, o_part, lse_part)
     merge_splits_kernel[row_blocks(rows), MERGE_THREADS, stream](o_part, lse_part, splits, out)
     return out
