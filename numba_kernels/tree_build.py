@@ -1,27 +1,34 @@
-"""Batched best-first DDTree build: one thread block per request, bit-exact to engine.ddtree_ref.build_tree.
+"""Batched best-first DDTree build: one warp per request, bit-exact to engine.ddtree_ref.build_tree.
 
-Thread 0 of each block runs the binary heap in shared memory (the build is inherently sequential: each pop
-decides what is pushed next); then the whole block writes the flat outputs and the visibility bitmask.
+The build is sequential (each pop decides what is pushed next), so the warp parallelises each pop instead:
+the frontier (candidates: the next sibling and the first child of every popped node) is an unsorted array in
+shared memory, and a pop is a warp-wide argmax over it (each lane scans its strided slots, then the lanes
+reduce with shuffles). The popped slot is refilled in place by the 0-2 new candidates (or the last entry), so
+the array never needs sorting. After the build all lanes write the flat outputs and the visibility bitmask.
 Dimension letters: b requests, L drafted depths, K drafter top-K, B budget (non-root nodes), W = ceil((B+1)/32).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from numba_kernels.warp import ON_SIMULATOR, to_device
+from numba_kernels.warp import FULL_MASK, ON_SIMULATOR, USE_SHUFFLE, WARP_SIZE, to_device
 
 MAX_BUDGET = 1024
 MAX_NODES = MAX_BUDGET + 1
 MAX_WORDS = (MAX_NODES + 31) // 32
-# The serial heap loop reads a log-prob per push; staged in shared memory when L*K fits (7 node/heap arrays
-# take 28.7 KB, this 16 KB: under the 48 KB static limit), so the loop's dependent loads hit shared memory.
+# Frontier arrays: at most B candidates at once; after the build one of them stages WARP_SIZE bitmask rows.
+FRONT_SLOTS = max(MAX_NODES, WARP_SIZE * MAX_WORDS)
+# Log-probs staged in shared memory when L*K fits (16 KB; node + frontier arrays take 28.7 KB: under the
+# 48 KB static limit), so each pop's dependent log-prob loads hit shared memory.
 LP_CACHE = 4096
-# The simulator runs every thread as a Python thread: keep its blocks tiny.
-BUILD_THREADS = 4 if ON_SIMULATOR else 128
+# One warp per request on a GPU (the shuffles assume a full warp). The simulator has no shuffles and runs
+# every thread as a Python thread: there a block of a few "lanes" reduces through shared memory.
+BUILD_THREADS = 1 if ON_SIMULATOR else WARP_SIZE
 
 
 @cuda.jit(device=True)
@@ -53,164 +60,259 @@ def _path_less(parent_a, rank_a, parent_b, rank_b, node_parent, node_depth, node
 
 
 @cuda.jit(device=True)
-def _heap_better(i, j, heap_score, heap_parent, heap_rank, node_parent, node_depth, node_rank):
-    """Heap slot i pops before slot j: higher score, then the smaller rank tuple."""
-    if heap_score[i] != heap_score[j]:
-        return heap_score[i] > heap_score[j]
-    return _path_less(heap_parent[i], heap_rank[i], heap_parent[j], heap_rank[j], node_parent, node_depth,
-                      node_rank)
+def _pops_before(score_a, slot_a, score_b, slot_b, front_parent, front_rank, node_parent, node_depth, node_rank):
+    """Frontier slot a pops before slot b (a slot < 0 is "none"): higher score, then the smaller rank tuple.
 
-
-@cuda.jit(device=True)
-def _heap_swap(i, j, heap_score, heap_parent, heap_rank):
-    heap_score[i], heap_score[j] = heap_score[j], heap_score[i]
-    heap_parent[i], heap_parent[j] = heap_parent[j], heap_parent[i]
-    heap_rank[i], heap_rank[j] = heap_rank[j], heap_rank[i]
-
-
-@cuda.jit(device=True)
-def _heap_push(size, score, parent, rank, heap_score, heap_parent, heap_rank, node_parent, node_depth, node_rank):
-    """Append (score, parent, rank) and sift it up; returns the new size."""
-    slot = size
-    heap_score[slot] = score
-    heap_parent[slot] = parent
-    heap_rank[slot] = rank
-    while slot > 0:
-        up = (slot - 1) // 2
-        if not _heap_better(slot, up, heap_score, heap_parent, heap_rank, node_parent, node_depth, node_rank):
-            break
-        _heap_swap(slot, up, heap_score, heap_parent, heap_rank)
-        slot = up
-    return size + 1
-
-
-@cuda.jit(device=True)
-def _heap_pop_root(size, heap_score, heap_parent, heap_rank, node_parent, node_depth, node_rank):
-    """Drop slot 0 (already read by the caller): move the last entry there and sift it down; returns the new size."""
-    size -= 1
-    heap_score[0] = heap_score[size]
-    heap_parent[0] = heap_parent[size]
-    heap_rank[0] = heap_rank[size]
-    slot = 0
-    while True:
-        best = slot
-        left = 2 * slot + 1
-        if left < size and _heap_better(left, best, heap_score, heap_parent, heap_rank, node_parent, node_depth,
-                                        node_rank):
-            best = left
-        if left + 1 < size and _heap_better(left + 1, best, heap_score, heap_parent, heap_rank, node_parent,
-                                            node_depth, node_rank):
-            best = left + 1
-        if best == slot:
-            return size
-        _heap_swap(slot, best, heap_score, heap_parent, heap_rank)
-        slot = best
-
-
-@cuda.jit
-def build_trees_kernel(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget, tokens, parents, depths, ranks,
-                       scores, positions, num_nodes, visibility):
-    """One block per request: best-first build of at most B+1 nodes, then outputs and bitmask.
-
-    draft_logprobs float32 [b, L, K] (sorted descending per row); draft_ids int [b, L, K]; root_tokens int [b];
-    prefix_lens int [b]; budget B <= MAX_BUDGET.
-    Writes tokens, parents, depths, ranks int32 [b, B+1]; scores float32 [b, B+1]; positions int32 [b, B+1];
-    num_nodes int32 [b]; visibility uint32 [b, B+1, W]. Slots past num_nodes: ints -1, score -inf, mask 0.
+    A strict total order on distinct candidates, so any scan or reduction order finds the same winner.
     """
-    request = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    # one declaration per line: the simulator tells shared arrays apart by source line
-    node_parent = cuda.shared.array(MAX_NODES, int32)
-    node_depth = cuda.shared.array(MAX_NODES, int32)
-    node_rank = cuda.shared.array(MAX_NODES, int32)
-    node_score = cuda.shared.array(MAX_NODES, float32)
-    heap_score = cuda.shared.array(MAX_NODES, float32)
-    heap_parent = cuda.shared.array(MAX_NODES, int32)
-    heap_rank = cuda.shared.array(MAX_NODES, int32)
-    node_count = cuda.shared.array(1, int32)
-    lp_cache = cuda.shared.array(LP_CACHE, float32)
-    depth_limit = draft_logprobs.shape[1]
-    top_k = draft_logprobs.shape[2]
-    cached = depth_limit * top_k <= LP_CACHE
-    if cached:
-        for idx in range(tid, depth_limit * top_k, cuda.blockDim.x):
-            lp_cache[idx] = draft_logprobs[request, idx // top_k, idx % top_k]
-    cuda.syncthreads()  # the staged log-probs are complete before thread 0 reads them
+    if slot_b < 0:
+        return slot_a >= 0
+    if slot_a < 0:
+        return False
+    if score_a != score_b:
+        return score_a > score_b
+    return _path_less(front_parent[slot_a], front_rank[slot_a], front_parent[slot_b], front_rank[slot_b],
+                      node_parent, node_depth, node_rank)
 
-    if tid == 0:
-        node_parent[0] = -1
-        node_depth[0] = 0
-        node_rank[0] = 0
-        node_score[0] = float32(0.0)
-        count = 1
+
+@cuda.jit(device=True, inline=True)
+def _lanes_sync():
+    """Barrier of the lanes of one request: the warp on a GPU, the (one-request) block on the simulator."""
+    if USE_SHUFFLE:
+        cuda.syncwarp()
+    elif cuda.blockDim.x > 1:  # a simulator barrier costs ~0.3 ms even for one thread
+        cuda.syncthreads()
+
+
+@functools.lru_cache(maxsize=None)
+def make_build_kernel(stage_logprobs: bool = True, coalesce_mask: bool = True, scan_unroll: int = 4,
+                      ballot_reduce: bool = False):
+    """The build kernel for one launch configuration (cached; the GPU benchmark sweeps these).
+
+    stage_logprobs: copy the request's L*K log-probs to shared memory when they fit (else read global / L1).
+    coalesce_mask: bitmask rows of 32 nodes assembled in shared memory, then written with consecutive words
+        per lane (else each lane stores its own row's words: strided stores).
+    scan_unroll: frontier slots each lane loads before comparing them (independent loads overlap).
+    ballot_reduce: (GPU) reduce the score alone with max-shuffles and ballot the lanes holding it; the full
+        (score, slot) comparison reduction only on a tie between lanes. Else always the full reduction.
+    """
+
+    @cuda.jit(device=True)
+    def frontier_best(lane, lanes, size, front_score, front_parent, front_rank, node_parent, node_depth,
+                      node_rank, red_score, red_slot, red_parent, red_rank):
+        """(slot, score, parent, rank) of the candidate that pops next, returned to every lane (size > 0)."""
+        best_score = float32(-math.inf)
+        best_slot = int32(-1)
+        loaded = cuda.local.array(scan_unroll, float32)
+        base = lane
+        while base < size:
+            for u in range(scan_unroll):  # all loads first: they do not wait on each other
+                slot = base + u * lanes
+                loaded[u] = front_score[slot] if slot < size else float32(-math.inf)
+            for u in range(scan_unroll):
+                slot = base + u * lanes
+                # _pops_before spelled out: the simulator pays a lot per device-function call
+                if slot < size and (best_slot < 0 or loaded[u] > best_score or (loaded[u] == best_score and _path_less(
+                        front_parent[slot], front_rank[slot], front_parent[best_slot], front_rank[best_slot],
+                        node_parent, node_depth, node_rank))):
+                    best_score = loaded[u]
+                    best_slot = slot
+            base += scan_unroll * lanes
+        if USE_SHUFFLE:
+            reduce = True
+            if ballot_reduce:
+                top = best_score
+                offset = WARP_SIZE // 2
+                while offset > 0:
+                    top = max(top, cuda.shfl_xor_sync(FULL_MASK, top, offset))
+                    offset //= 2
+                holders = cuda.ballot_sync(FULL_MASK, best_slot >= 0 and best_score == top)
+                if cuda.popc(holders) == 1:  # the usual case: one lane holds the top score
+                    best_slot = cuda.shfl_sync(FULL_MASK, best_slot, 31 - cuda.clz(holders))
+                    best_score = top
+                    reduce = False
+                elif best_score != top:  # a tie across lanes: only the holders take part in the full reduction
+                    best_slot = int32(-1)
+            if reduce:
+                offset = WARP_SIZE // 2
+                while offset > 0:  # xor butterfly: every lane ends with the winner
+                    other_score = cuda.shfl_xor_sync(FULL_MASK, best_score, offset)
+                    other_slot = cuda.shfl_xor_sync(FULL_MASK, best_slot, offset)
+                    if _pops_before(other_score, other_slot, best_score, best_slot, front_parent, front_rank,
+                                    node_parent, node_depth, node_rank):
+                        best_score = other_score
+                        best_slot = other_slot
+                    offset //= 2
+            return best_slot, best_score, front_parent[best_slot], front_rank[best_slot]
+        # Simulator: the partials go through shared memory with the winner's parent and rank, so after this one
+        # barrier no lane reads the frontier again and lane 0 may change it at once.
+        best_parent = front_parent[best_slot] if best_slot >= 0 else int32(-1)
+        best_rank = front_rank[best_slot] if best_slot >= 0 else int32(-1)
+        red_score[lane] = best_score
+        red_slot[lane] = best_slot
+        red_parent[lane] = best_parent
+        red_rank[lane] = best_rank
+        _lanes_sync()  # every lane's candidate is in the scratch
+        for other in range(lanes):  # each lane reduces the few partials itself: no second barrier
+            if red_slot[other] >= 0 and (best_slot < 0 or red_score[other] > best_score or (
+                    red_score[other] == best_score and _path_less(red_parent[other], red_rank[other], best_parent,
+                                                                  best_rank, node_parent, node_depth, node_rank))):
+                best_score = red_score[other]
+                best_slot = red_slot[other]
+                best_parent = red_parent[other]
+                best_rank = red_rank[other]
+        return best_slot, best_score, best_parent, best_rank
+
+    @cuda.jit
+    def kernel(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget, tokens, parents, depths, ranks,
+               scores, positions, num_nodes, visibility):
+        """One block (one warp on a GPU) per request: best-first build of at most B+1 nodes, then the outputs.
+
+        draft_logprobs float32 [b, L, K] (sorted descending per row); draft_ids int [b, L, K]; root_tokens
+        int [b]; prefix_lens int [b]; budget B <= MAX_BUDGET.
+        Writes tokens, parents, depths, ranks int32 [b, B+1]; scores float32 [b, B+1]; positions int32 [b, B+1];
+        num_nodes int32 [b]; visibility uint32 [b, B+1, W]. Slots past num_nodes: ints -1, score -inf, mask 0.
+        """
+        request = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        lanes = cuda.blockDim.x
+        # one declaration per line: the simulator tells shared arrays apart by source line
+        node_parent = cuda.shared.array(MAX_NODES, int32)
+        node_depth = cuda.shared.array(MAX_NODES, int32)
+        node_rank = cuda.shared.array(MAX_NODES, int32)
+        node_score = cuda.shared.array(MAX_NODES, float32)
+        front_score = cuda.shared.array(FRONT_SLOTS, float32)
+        front_parent = cuda.shared.array(FRONT_SLOTS, int32)
+        front_rank = cuda.shared.array(FRONT_SLOTS, int32)
+        lp_cache = cuda.shared.array(LP_CACHE, float32)
+        red_score = cuda.shared.array(WARP_SIZE, float32)
+        red_slot = cuda.shared.array(WARP_SIZE, int32)
+        red_parent = cuda.shared.array(WARP_SIZE, int32)
+        red_rank = cuda.shared.array(WARP_SIZE, int32)
+        depth_limit = draft_logprobs.shape[1]
+        top_k = draft_logprobs.shape[2]
+        cached = stage_logprobs and depth_limit * top_k <= LP_CACHE
+        if cached:
+            for idx in range(lane, depth_limit * top_k, lanes):
+                lp_cache[idx] = draft_logprobs[request, idx // top_k, idx % top_k]
+
+        if lane == 0:
+            node_parent[0] = -1
+            node_depth[0] = 0
+            node_rank[0] = 0
+            node_score[0] = float32(0.0)
+        count = 1  # nodes so far and frontier size: the same in every lane
         size = 0
         if depth_limit > 0 and top_k > 0 and budget > 0:
-            first = lp_cache[0] if cached else draft_logprobs[request, 0, 0]
-            size = _heap_push(size, float32(0.0) + first, 0, 0, heap_score, heap_parent,
-                              heap_rank, node_parent, node_depth, node_rank)
+            if lane == 0:
+                front_score[0] = float32(0.0) + draft_logprobs[request, 0, 0]
+                front_parent[0] = 0
+                front_rank[0] = 0
+            size = 1
+        _lanes_sync()  # staged log-probs, root and first candidate visible to all lanes
+
         while size > 0 and count <= budget:
-            score = heap_score[0]
-            parent = heap_parent[0]
-            rank = heap_rank[0]
-            size = _heap_pop_root(size, heap_score, heap_parent, heap_rank, node_parent, node_depth, node_rank)
+            slot, score, parent, rank = frontier_best(lane, lanes, size, front_score, front_parent, front_rank,
+                                                      node_parent, node_depth, node_rank, red_score, red_slot,
+                                                      red_parent, red_rank)
             depth = node_depth[parent] + 1
             node = count
-            node_parent[node] = parent
-            node_depth[node] = depth
-            node_rank[node] = rank
-            node_score[node] = score
             count += 1
+            has_sibling = rank + 1 < top_k
+            has_child = depth < depth_limit
+            sibling = float32(0.0)
+            child = float32(0.0)
+            if count <= budget:  # more pops follow: compute the new candidates (the reads overlap the barrier)
+                if has_sibling:  # next sibling, scored from the parent (not score - lp + lp')
+                    lp = lp_cache[(depth - 1) * top_k + rank + 1] if cached else \
+                        draft_logprobs[request, depth - 1, rank + 1]
+                    sibling = node_score[parent] + lp
+                if has_child:  # first child
+                    lp = lp_cache[depth * top_k] if cached else draft_logprobs[request, depth, 0]
+                    child = score + lp
+            if USE_SHUFFLE:  # (the simulator's reduction ends with a barrier after the last frontier read)
+                cuda.syncwarp()  # every lane has read the frontier (scan and popped slot) before it changes
+            if lane == 0:
+                node_parent[node] = parent
+                node_depth[node] = depth
+                node_rank[node] = rank
+                node_score[node] = score
             if count > budget:
                 break  # budget reached: no more pops, so no pushes needed
-            if rank + 1 < top_k:  # next sibling, scored from the parent (not score - lp + lp')
-                lp = lp_cache[(depth - 1) * top_k + rank + 1] if cached else draft_logprobs[request, depth - 1, rank + 1]
-                sibling = node_score[parent] + lp
-                size = _heap_push(size, sibling, parent, rank + 1, heap_score, heap_parent, heap_rank, node_parent,
-                                  node_depth, node_rank)
-            if depth < depth_limit:  # first child
-                lp = lp_cache[depth * top_k] if cached else draft_logprobs[request, depth, 0]
-                child = score + lp
-                size = _heap_push(size, child, node, 0, heap_score, heap_parent, heap_rank, node_parent,
-                                  node_depth, node_rank)
-        node_count[0] = count
-    cuda.syncthreads()  # node arrays and node_count complete before the block reads them
+            # The popped slot takes the sibling, else the child, else the last entry; a second candidate appends.
+            if lane == 0:
+                if has_sibling:
+                    front_score[slot] = sibling
+                    front_parent[slot] = parent
+                    front_rank[slot] = rank + 1
+                elif has_child:
+                    front_score[slot] = child
+                    front_parent[slot] = node
+                    front_rank[slot] = 0
+                else:
+                    front_score[slot] = front_score[size - 1]
+                    front_parent[slot] = front_parent[size - 1]
+                    front_rank[slot] = front_rank[size - 1]
+            if has_sibling and has_child and lane == lanes - 1:
+                front_score[size] = child
+                front_parent[size] = node
+                front_rank[size] = 0
+            size += int32(has_sibling) + int32(has_child) - 1
+            _lanes_sync()  # frontier and node arrays updated before the next scan reads them
+        _lanes_sync()  # the last node written before the lanes read the node arrays
 
-    count = node_count[0]
-    words = visibility.shape[2]
-    prefix = prefix_lens[request]
-    for i in range(tid, budget + 1, cuda.blockDim.x):
-        if i < count:
-            depth = node_depth[i]
-            tokens[request, i] = root_tokens[request] if i == 0 else draft_ids[request, depth - 1, node_rank[i]]
-            parents[request, i] = node_parent[i]
-            depths[request, i] = depth
-            ranks[request, i] = node_rank[i]
-            scores[request, i] = node_score[i]
-            positions[request, i] = prefix + depth
-        else:
-            tokens[request, i] = -1
-            parents[request, i] = -1
-            depths[request, i] = -1
-            ranks[request, i] = -1
-            scores[request, i] = -math.inf
-            positions[request, i] = -1
-        row = cuda.local.array(MAX_WORDS, uint32)
-        for w in range(words):
-            row[w] = uint32(0)
-        if i < count:
-            j = i
-            while j >= 0:  # ancestor-or-self
-                row[j // 32] |= uint32(1) << uint32(j % 32)
-                j = node_parent[j]
-        for w in range(words):
-            visibility[request, i, w] = row[w]
-    if tid == 0:
-        num_nodes[request] = count
+        prefix = prefix_lens[request]
+        for i in range(lane, budget + 1, lanes):
+            if i < count:
+                depth = node_depth[i]
+                tokens[request, i] = root_tokens[request] if i == 0 else draft_ids[request, depth - 1, node_rank[i]]
+                parents[request, i] = node_parent[i]
+                depths[request, i] = depth
+                ranks[request, i] = node_rank[i]
+                scores[request, i] = node_score[i]
+                positions[request, i] = prefix + depth
+            else:
+                tokens[request, i] = -1
+                parents[request, i] = -1
+                depths[request, i] = -1
+                ranks[request, i] = -1
+                scores[request, i] = -math.inf
+                positions[request, i] = -1
+        if lane == 0:
+            num_nodes[request] = count
+
+        # Visibility: row i holds the bits of i's ancestors-or-self. A lane walks i's ancestors once, from i up
+        # (indices decrease), filling the words from the last down: no per-row buffer.
+        words = visibility.shape[2]
+        for first_row in range(0, budget + 1, lanes):
+            i = first_row + lane
+            j = i if i < count else -1
+            for w in range(words - 1, -1, -1):
+                word = uint32(0)
+                while j >= 32 * w:
+                    word |= uint32(1) << uint32(j - 32 * w)
+                    j = node_parent[j]
+                if not coalesce_mask:
+                    if i <= budget:
+                        visibility[request, i, w] = word
+                else:  # the frontier's parent array is free now: it holds this chunk's rows [lanes, W]
+                    front_parent[lane * words + w] = int32(word)
+            if coalesce_mask:
+                _lanes_sync()  # the chunk's rows assembled before the lanes copy them out
+                rows = min(lanes, budget + 1 - first_row)
+                for flat in range(lane, rows * words, lanes):  # consecutive words in consecutive lanes
+                    visibility[request, first_row + flat // words, flat % words] = uint32(front_parent[flat])
+                _lanes_sync()  # the chunk copied out before the next one overwrites it
+
+    return kernel
+
+
+build_trees_kernel = make_build_kernel()
 
 
 @dataclass
 class TreeBatch:
-    """Device arrays of b built trees (see build_trees_kernel for shapes, dtypes and padding)."""
+    """Device arrays of b built trees (see make_build_kernel's kernel for shapes, dtypes and padding)."""
 
     tokens: object
     parents: object
@@ -242,10 +344,11 @@ class TreeBatch:
         return tuple(self.tokens.shape) == (batch, budget + 1)
 
 
-def build_trees(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget: int, threads: int = BUILD_THREADS,
-                out: TreeBatch | None = None) -> TreeBatch:
-    """Build b trees in one launch. Inputs numpy or device arrays (see build_trees_kernel); ``out``: buffers
-    from TreeBatch.allocate(b, budget) to reuse (every slot is rewritten)."""
+def build_trees(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget: int,
+                out: TreeBatch | None = None, kernel=None) -> TreeBatch:
+    """Build b trees in one launch (one block of BUILD_THREADS per request). Inputs numpy or device arrays
+    (see make_build_kernel); ``out``: buffers from TreeBatch.allocate(b, budget) to reuse (every slot is
+    rewritten); ``kernel``: a make_build_kernel(...) variant (default build_trees_kernel)."""
     if len(draft_logprobs.shape) != 3 or tuple(draft_ids.shape) != tuple(draft_logprobs.shape):
         raise ValueError(f"draft_logprobs {draft_logprobs.shape} and draft_ids {draft_ids.shape} must both be [b, L, K]")
     if draft_logprobs.dtype != np.float32:
@@ -263,7 +366,7 @@ def build_trees(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget: int
         out = TreeBatch.allocate(batch, budget)
     elif not out.fits(batch, budget):
         raise ValueError(f"out holds trees of shape {tuple(out.tokens.shape)}, need ({batch}, {budget + 1})")
-    build_trees_kernel[batch, threads](to_device(draft_logprobs), to_device(draft_ids), to_device(root_tokens),
-                                       to_device(prefix_lens), budget, out.tokens, out.parents, out.depths, out.ranks,
-                                       out.scores, out.positions, out.num_nodes, out.visibility)
+    (kernel or build_trees_kernel)[batch, BUILD_THREADS](
+        to_device(draft_logprobs), to_device(draft_ids), to_device(root_tokens), to_device(prefix_lens), budget,
+        out.tokens, out.parents, out.depths, out.ranks, out.scores, out.positions, out.num_nodes, out.visibility)
     return out
