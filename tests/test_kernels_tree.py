@@ -73,14 +73,15 @@ def test_block_reductions_every_thread_gets_the_result(width):
 
 # --- tree build ----------------------------------------------------------------------------------
 
-def run_build(logprobs, ids, roots, prefix_lens, budget):
+def run_build(logprobs, ids, roots, prefix_lens, budget, kernel=None, lanes=None):
+    """Launch the build kernel (default build_trees_kernel, BUILD_THREADS lanes) on poisoned outputs."""
     batch, nodes = logprobs.shape[0], budget + 1
     outs = dict(tokens=poisoned((batch, nodes), np.int32), parents=poisoned((batch, nodes), np.int32),
                 depths=poisoned((batch, nodes), np.int32), ranks=poisoned((batch, nodes), np.int32),
                 scores=poisoned((batch, nodes), np.float32), positions=poisoned((batch, nodes), np.int32),
                 num_nodes=poisoned(batch, np.int32), visibility=poisoned((batch, nodes, (nodes + 31) // 32), np.uint32))
-    tree_build.build_trees_kernel[batch, tree_build.BUILD_THREADS](logprobs, ids, roots, prefix_lens, budget,
-                                                                   *outs.values())
+    kernel = kernel or tree_build.build_trees_kernel
+    kernel[batch, lanes or tree_build.BUILD_THREADS](logprobs, ids, roots, prefix_lens, budget, *outs.values())
     return {name: array.copy_to_host() for name, array in outs.items()}
 
 
@@ -118,6 +119,45 @@ def test_build_trees_bit_exact(case):
     logprobs, ids = random_drafts(rng, batch, depth_limit, top_k, tie_pool)
     roots = rng.integers(0, 1000, size=batch).astype(np.int32)
     prefix_lens = rng.integers(0, 500, size=batch).astype(np.int32)
+    got = run_build(logprobs, ids, roots, prefix_lens, budget)
+    exp = expected_build(logprobs, ids, roots, prefix_lens, budget)
+    for name in exp:
+        assert got[name].tobytes() == exp[name].tobytes(), name
+
+
+# The simulator's default is one lane per request (its barriers are slow); these cases run several lanes (the
+# strided frontier scan, the reduction through shared memory, bitmask chunks of `lanes` rows) and each kernel
+# variant. Shuffle reductions only exist on a GPU (test_kernels_tree_gpu.py).
+LANE_CASES = [(lanes, case) for lanes in (2, 3, 4) for case in range(4)]
+
+
+@pytest.mark.parametrize("lanes,case", LANE_CASES)
+def test_build_trees_several_lanes_bit_exact(lanes, case):
+    rng = np.random.default_rng(5000 + 10 * lanes + case)
+    batch = 2
+    depth_limit = int(rng.integers(2, 10))
+    top_k = int(rng.integers(2, 7))
+    budget = int(rng.integers(20, 45))
+    variant = [dict(), dict(coalesce_mask=False), dict(stage_logprobs=False, scan_unroll=1),
+               dict(scan_unroll=2)][case]
+    logprobs, ids = random_drafts(rng, batch, depth_limit, top_k, [None, 2, 3, 2][case])
+    roots = rng.integers(0, 1000, size=batch).astype(np.int32)
+    prefix_lens = rng.integers(0, 500, size=batch).astype(np.int32)
+    got = run_build(logprobs, ids, roots, prefix_lens, budget, tree_build.make_build_kernel(**variant), lanes)
+    exp = expected_build(logprobs, ids, roots, prefix_lens, budget)
+    for name in exp:
+        assert got[name].tobytes() == exp[name].tobytes(), name
+
+
+@pytest.mark.parametrize("depth_limit,top_k,budget,tie_pool", [
+    (3, 1400, 40, 2),  # L*K past the shared log-prob cache: read from global memory
+    (80, 1, 70, None),  # K = 1: one chain deeper than any drafter's L
+    (15, 8, tree_build.MAX_BUDGET, 3),  # the largest budget: 33 bitmask words per row
+])
+def test_build_trees_edge_shapes_bit_exact(depth_limit, top_k, budget, tie_pool):
+    rng = np.random.default_rng(depth_limit * top_k)
+    logprobs, ids = random_drafts(rng, 1, depth_limit, top_k, tie_pool)
+    roots, prefix_lens = np.array([3], np.int32), np.array([9], np.int32)
     got = run_build(logprobs, ids, roots, prefix_lens, budget)
     exp = expected_build(logprobs, ids, roots, prefix_lens, budget)
     for name in exp:
