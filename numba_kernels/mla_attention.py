@@ -371,11 +371,14 @@ def causal_visibility(tokens: int) -> np.ndarray:
     return pack_visibility(np.tri(tokens, dtype=bool))
 
 
-def default_num_splits(rows: int, total_keys: int, config: TileConfig = DEFAULT_CONFIG) -> int:
+def default_num_splits(rows: int, total_keys: int, config: TileConfig = DEFAULT_CONFIG,
+                       sms: int | None = None) -> int:
     """Split count whose (row tile, split) blocks fill the SMs' block slots best (the fewest splits within 2%
-    of the best wave efficiency), at least MIN_KEYS_PER_SPLIT keys each."""
+    of the best wave efficiency), at least MIN_KEYS_PER_SPLIT keys each. sms: SM count (None: this device)."""
     row_tiles = (rows + config.rows - 1) // config.rows
-    slots = (1 if ON_SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT) * config.blocks_per_sm
+    if sms is None:
+        sms = 1 if ON_SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+    slots = sms * config.blocks_per_sm
     most = max(1, min(-(-slots // row_tiles), total_keys // MIN_KEYS_PER_SPLIT))
 
     def efficiency(splits):
@@ -383,7 +386,7 @@ def default_num_splits(rows: int, total_keys: int, config: TileConfig = DEFAULT_
         return blocks / (-(-blocks // slots) * slots)
 
     best = max(efficiency(splits) for splits in range(1, most + 1))
-    return next(splits for splits in range(1, most + 1) if efficiency(splits) >= best - 0.02)
+    return next(splits for splits in range(1, most + 1) if efficiency(splits) >= 0.98 * best)
 
 
 def _check_float32(name, array, shape):

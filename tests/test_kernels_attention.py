@@ -11,12 +11,14 @@ from engine import reference as ref
 from engine.config import PRESETS
 from numba_kernels.embedding import embed_tokens
 from numba_kernels.kv_write import write_kv_rows
-from numba_kernels.mla_attention import causal_visibility, mla_attention, pack_visibility
+from numba_kernels.mla_attention import (DEFAULT_CONFIG, MIN_KEYS_PER_SPLIT, TileConfig, causal_visibility,
+                                         default_num_splits, mla_attention, pack_visibility)
 from numba_kernels.rmsnorm import add_rms_norm, rms_norm
 from numba_kernels.rope import apply_rope, rope_table
 
 pytestmark = pytest.mark.sim
 RTOL = 1e-5
+MAX_O_COLS = 8  # any o_cols: default_num_splits only reads rows and blocks_per_sm
 
 
 def assert_close(actual, expected, rtol=RTOL):
@@ -186,14 +188,15 @@ def random_tree_visibility(rng, tokens):
     return visible
 
 
-def run_attention(rng, tokens, heads, latent, rope, prefix, visible, num_splits, spare_rows=3):
+def run_attention(rng, tokens, heads, latent, rope, prefix, visible, num_splits, spare_rows=3,
+                  config=DEFAULT_CONFIG):
     q_lat = normal(rng, tokens, heads, latent)
     q_pe = normal(rng, tokens, heads, rope)
     cache = normal(rng, prefix + tokens + spare_rows, latent + rope)
     cache[prefix + tokens:] = np.nan  # rows past the in-flight ones must never be read
     scale = 0.37
     out = mla_attention(q_lat, q_pe, cache, prefix, pack_visibility(visible), scale,
-                        out=poisoned((tokens, heads, latent)), num_splits=num_splits).copy_to_host()
+                        out=poisoned((tokens, heads, latent)), num_splits=num_splits, config=config).copy_to_host()
     keys = cache[:prefix + tokens]
     full = np.concatenate([np.ones((tokens, prefix), bool), visible], axis=1)
     expected = ref.mla_attention_latent(q_lat, q_pe, keys[:, :latent], keys[:, latent:], full, scale)
@@ -248,6 +251,43 @@ def test_attention_more_than_32_in_flight_rows():
     visible[33, :] = True  # a query seeing rows in both mask words (and a non-tree row pattern)
     out, expected = run_attention(rng, 34, 1, 8, 2, 3, visible, num_splits=2, spare_rows=0)
     assert_close(out, expected)
+
+
+# tile shapes other than the default: wide key tiles of one-dimension chunks, tall row tiles of 1 x 4 score tiles
+OTHER_CONFIGS = [TileConfig(rows=4, keys=8, d_chunk=2, v_chunk=4, s_rows=2, s_keys=2, o_cols=4, threads=8),
+                 TileConfig(rows=8, keys=4, d_chunk=2, v_chunk=1, s_rows=1, s_keys=4, o_cols=4, threads=8)]
+
+
+@pytest.mark.parametrize("config", OTHER_CONFIGS, ids=["wide-keys", "tall-rows"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_attention_other_tile_configs(config, splits):
+    # 5 tokens x 3 heads: partial row tiles; P = 19: partial key tiles and splits; c + r = 19: partial chunks
+    rng = np.random.default_rng(12 + splits)
+    visible = random_tree_visibility(rng, 5)
+    out, expected = run_attention(rng, 5, 3, 15, 4, 19, visible, num_splits=splits, config=config)
+    assert_close(out, expected)
+
+
+def test_tile_config_rules():
+    with pytest.raises(ValueError, match=r"threads == \(rows / s_rows\)"):
+        TileConfig(rows=8, keys=4, d_chunk=4, v_chunk=2, s_rows=2, s_keys=1, o_cols=8, threads=8).check()
+    with pytest.raises(ValueError, match="keys % v_chunk"):
+        TileConfig(rows=8, keys=4, d_chunk=4, v_chunk=3, s_rows=2, s_keys=2, o_cols=8, threads=8).check()
+    with pytest.raises(ValueError, match="48 KB"):
+        TileConfig(rows=8, keys=4, d_chunk=4096, v_chunk=2, s_rows=2, s_keys=2, o_cols=8, threads=8).check()
+
+
+def test_default_num_splits_fills_the_sms():
+    config = TileConfig(rows=64, keys=64, s_rows=4, s_keys=4, o_cols=MAX_O_COLS, threads=256)
+    # 64 row tiles on 132 SMs: 2 splits fill 97% of one wave (4 would fill two waves no better)
+    assert default_num_splits(64 * 64, 8256, config, sms=132) == 2
+    # AR decode: one row tile, as many splits as the keys allow (>= MIN_KEYS_PER_SPLIT each)
+    assert default_num_splits(64, 8256, config, sms=132) == 8256 // MIN_KEYS_PER_SPLIT
+    assert default_num_splits(64, 100, config, sms=132) == 1
+    # 256 row tiles already fill two waves at 97%
+    assert default_num_splits(256 * 64, 8448, config, sms=132) == 1
+    # two blocks per SM: twice the slots
+    assert default_num_splits(64 * 64, 8256, config._replace(blocks_per_sm=2), sms=132) == 4
 
 
 def test_pack_visibility_bits():

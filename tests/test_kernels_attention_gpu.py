@@ -11,7 +11,7 @@ from engine import reference as ref
 from engine.config import PRESETS
 from numba_kernels.embedding import embed_tokens
 from numba_kernels.kv_write import write_kv_rows
-from numba_kernels.mla_attention import mla_attention, pack_visibility
+from numba_kernels.mla_attention import TileConfig, mla_attention, pack_visibility
 from numba_kernels.rmsnorm import add_rms_norm, rms_norm
 from numba_kernels.rope import apply_rope, rope_table
 
@@ -114,7 +114,7 @@ def latent_attention_float64(q_lat, q_pe, keys, visible, scale):
     return (weights.reshape(tokens * heads, -1) @ keys[:, :latent]).reshape(tokens, heads, latent)
 
 
-def attention_case(seed, tokens, prefix, num_splits=None):
+def attention_case(seed, tokens, prefix, num_splits=None, **config):
     rng = np.random.default_rng(seed)
     heads, latent, rope = K2.num_attention_heads, K2.kv_lora_rank, K2.qk_rope_head_dim
     q_lat, q_pe = normal(rng, tokens, heads, latent), normal(rng, tokens, heads, rope)
@@ -122,7 +122,7 @@ def attention_case(seed, tokens, prefix, num_splits=None):
     cache[prefix + tokens:] = np.nan  # rows past the in-flight ones must never be read
     visible = random_tree_visibility(rng, tokens)
     out = mla_attention(q_lat, q_pe, cache, prefix, pack_visibility(visible), K2.softmax_scale,
-                        out=poisoned((tokens, heads, latent)), num_splits=num_splits).copy_to_host()
+                        out=poisoned((tokens, heads, latent)), num_splits=num_splits, **config).copy_to_host()
     full = np.concatenate([np.ones((tokens, prefix), bool), visible], axis=1)
     return out, latent_attention_float64(q_lat, q_pe, cache[:prefix + tokens], full, K2.softmax_scale)
 
@@ -137,4 +137,17 @@ def test_attention_k2_tree_masks(tokens, prefix):
 @pytest.mark.parametrize("splits", [1, 7, 64])
 def test_attention_k2_split_counts(splits):
     out, expected = attention_case(splits, 64, 8192, num_splits=splits)
+    assert_close(out, expected)
+
+
+# the other tile shapes .prof sweeps (the default is TileConfig()): wide key tiles, two blocks per SM
+@pytest.mark.parametrize("config", [
+    TileConfig(fastmath=True),
+    TileConfig(rows=64, keys=128, d_chunk=16, v_chunk=4, s_rows=8, s_keys=4),
+    TileConfig(rows=32, keys=128, d_chunk=32, v_chunk=8, s_rows=4, s_keys=4, blocks_per_sm=2),
+    TileConfig(rows=32, keys=64, d_chunk=32, v_chunk=8, s_rows=2, s_keys=4, blocks_per_sm=2),
+], ids=["fastmath", "64x128", "32x128", "32x64"])
+@pytest.mark.parametrize("tokens, prefix", [(1, 8192), (64, 1000)])
+def test_attention_k2_tile_configs(config, tokens, prefix):
+    out, expected = attention_case(tokens * 31 + prefix, tokens, prefix, config=config)
     assert_close(out, expected)
