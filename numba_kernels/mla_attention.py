@@ -74,7 +74,8 @@ class TileConfig(NamedTuple):
              "threads == (rows / s_rows) * (keys / s_keys)"),
             (MAX_LATENT % self.o_cols == 0 and t % (MAX_LATENT // self.o_cols) == 0
              and self.o_rows * t == bm * (MAX_LATENT // self.o_cols), "o tile: rows * MAX_LATENT == threads * o tile"),
-            ((bm * self.d_chunk) % t == 0 and (bn * self.d_chunk) % t == 0, "(rows, keys) * d_chunk divisible by threads"),
+            ((bm * self.d_chunk) % t == 0 and (bn * self.d_chunk) % t == 0 and t % self.d_chunk == 0,
+             "(rows, keys) * d_chunk divisible by threads, threads by d_chunk"),
             ((self.v_chunk * MAX_LATENT) % t == 0 and bn % self.v_chunk == 0, "v_chunk * MAX_LATENT % threads, keys % v_chunk"),
             (bm <= t, "rows <= threads (one thread per row updates the softmax state)"),
             (4 * (sum(self.shared_floats()) + 3 * bm) <= SHARED_LIMIT, "shared memory <= 48 KB"),
@@ -113,6 +114,7 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
     K_OFFSET = DK * Q_STRIDE                   # stage buffer: q chunk [DK, BM+1] then k chunk [DK, BN+1]
     STAGE_SIZE, P_SIZE = config.shared_floats()
     Q_STEPS = BM * DK // T                     # prefetch registers: Q_STEPS q elements, then k elements
+    Q_ROW_STEP = T // DK                       # q element k of a thread: row tid // DK + Q_ROW_STEP * k
     QK_LOADS = (BM + BN) * DK // T
     V_LOADS = NK * MAX_LATENT // T
     LOADS = max(QK_LOADS, V_LOADS)
@@ -122,29 +124,30 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
         compile_options["max_registers"] = config.max_registers
 
     @cuda.jit(device=True, inline=True)
-    def load_qk(q_lat, q_pe, cache, row0, key0, key_end, d0, pre):
-        """Prefetch the S stage at dimension d0: q [BM, DK] of rows row0.. and k [BN, DK] of keys key0.."""
+    def load_qk(q_lat, q_pe, cache, token0, head0, key0, key_end, d0, pre):
+        """Prefetch the S stage at dimension d0: q [BM, DK] (this thread's first row is (token0, head0), the
+        next ones Q_ROW_STEP rows further) and k [BN, DK] of keys key0.."""
         tid = cuda.threadIdx.x
-        heads, latent = q_lat.shape[1], q_lat.shape[2]
+        tokens, heads, latent = q_lat.shape[0], q_lat.shape[1], q_lat.shape[2]
         width = latent + q_pe.shape[2]
+        token, head = token0, head0
+        d = d0 + tid % DK
         for k in range(QK_LOADS):
-            e = tid + T * k
             if k < Q_STEPS:
-                m = e // DK
-                d = d0 + e - m * DK
-                row = row0 + m
+                if k > 0:  # step to the next row without a 64-bit division
+                    head += Q_ROW_STEP
+                    while head >= heads:
+                        head -= heads
+                        token += 1
                 value = float32(0.0)
-                if row < q_lat.shape[0] * heads and d < width:
-                    token = row // heads
-                    head = row - token * heads
+                if token < tokens and d < width:
                     value = q_lat[token, head, d] if d < latent else q_pe[token, head, d - latent]
                 pre[k] = value
             else:
-                e -= BM * DK
+                e = tid + T * k - BM * DK
                 n = e // DK
-                d = d0 + e - n * DK
                 key = key0 + n
-                pre[k] = cache[key, d] if key < key_end and d < width else float32(0.0)
+                pre[k] = cache[key, d0 + e - n * DK] if key < key_end and d0 + e - n * DK < width else float32(0.0)
 
     @cuda.jit(device=True, inline=True)
     def store_qk(pre, stage):
@@ -215,8 +218,10 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
                 row_sum[tid] = 0.0
             for k in range(O_TILE):
                 acc_o[k] = 0.0
+            token0 = (row0 + tid // DK) // heads  # this thread's first q row in the S stages
+            head0 = row0 + tid // DK - token0 * heads
             if n_tiles > 0:
-                load_qk(q_lat, q_pe, cache, row0, key_begin, key_end, 0, pre)
+                load_qk(q_lat, q_pe, cache, token0, head0, key_begin, key_end, 0, pre)
             for tile in range(n_tiles):
                 tile_begin = key_begin + tile * BN
                 tile_keys = min(BN, key_end - tile_begin)
@@ -231,11 +236,11 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
                         store_v(pre, stage)
                     cuda.syncthreads()  # stage stored (and, before the first, the row state initialised)
                     if step + 1 < s_stages:  # next stage's global loads in flight during this one's FMAs
-                        load_qk(q_lat, q_pe, cache, row0, tile_begin, key_end, (step + 1) * DK, pre)
+                        load_qk(q_lat, q_pe, cache, token0, head0, tile_begin, key_end, (step + 1) * DK, pre)
                     elif step + 1 < s_stages + v_stages:
                         load_v(cache, latent, tile_begin + (v_step + 1) * NK, key_end, pre)
                     elif tile + 1 < n_tiles:
-                        load_qk(q_lat, q_pe, cache, row0, tile_begin + BN, key_end, 0, pre)
+                        load_qk(q_lat, q_pe, cache, token0, head0, tile_begin + BN, key_end, 0, pre)
                     if v_step < 0:  # ---- S: scores += q chunk . k chunk
                         for dd in range(DK):
                             for i in range(SR):

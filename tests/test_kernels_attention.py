@@ -274,7 +274,7 @@ def test_tile_config_rules():
     with pytest.raises(ValueError, match="keys % v_chunk"):
         TileConfig(rows=8, keys=4, d_chunk=4, v_chunk=3, s_rows=2, s_keys=2, o_cols=8, threads=8).check()
     with pytest.raises(ValueError, match="48 KB"):
-        TileConfig(rows=8, keys=4, d_chunk=4096, v_chunk=2, s_rows=2, s_keys=2, o_cols=8, threads=8).check()
+        TileConfig(rows=32, keys=512, d_chunk=4, v_chunk=2, s_rows=4, s_keys=64, o_cols=4, threads=64).check()
 
 
 def test_default_num_splits_fills_the_sms():
