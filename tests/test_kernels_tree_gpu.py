@@ -1,6 +1,6 @@
 """Tree/sampling kernels at realistic sizes on a real GPU, bit-exact against the references.
 
-Budget up to 1024 with 64 requests, depth 15, K 8; vocabulary 163840 for argmax / top-k / sampling;
+Budget up to 1024 with 64 requests, depth 15, K 8 and K = B (every build kernel variant); vocabulary 163840 for argmax / top-k / sampling;
 block reductions at warp-multiple widths (the shuffle path the simulator never runs); build speed
 against the Python heapq builder.
 """
@@ -27,6 +27,29 @@ def test_build_trees_realistic_bit_exact(budget, tie_pool):
     roots = rng.integers(0, VOCAB, size=64).astype(np.int32)
     prefix_lens = rng.integers(0, 100_000, size=64).astype(np.int32)
     got = run_build(logprobs, ids, roots, prefix_lens, budget)
+    exp = expected_build(logprobs, ids, roots, prefix_lens, budget)
+    for name in exp:
+        assert got[name].tobytes() == exp[name].tobytes(), name
+
+
+VARIANTS = [dict(), dict(ballot_reduce=True), dict(coalesce_mask=False), dict(stage_logprobs=False),
+            dict(scan_unroll=1), dict(scan_unroll=8)]
+
+
+@pytest.mark.parametrize("budget,tied", [(1024, False), (1024, True), (256, False), (256, True), (33, True)])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_build_trees_bench_shapes_every_variant(budget, tied, variant):
+    """The bench's inputs (K = B, so L*K passes the shared log-prob cache at B=1024), one full warp per request
+    (the shuffle reductions), each kernel variant; tied: log-probs from 4 values (exact ties everywhere)."""
+    from kdtree_tui.benchmarks.tree import random_drafts as bench_drafts
+    logprobs, ids = bench_drafts(64, 15, budget, seed=budget)
+    if tied:
+        logprobs = np.round(logprobs * 2.0).clip(-3.0, None).astype(np.float32) / np.float32(2.0)
+    rng = np.random.default_rng(budget)
+    roots = rng.integers(0, VOCAB, size=64).astype(np.int32)
+    prefix_lens = rng.integers(0, 100_000, size=64).astype(np.int32)
+    kernel = tree_build.make_build_kernel(**VARIANTS[variant])
+    got = run_build(logprobs, ids, roots, prefix_lens, budget, kernel, tree_build.BUILD_THREADS)
     exp = expected_build(logprobs, ids, roots, prefix_lens, budget)
     for name in exp:
         assert got[name].tobytes() == exp[name].tobytes(), name
