@@ -8,7 +8,8 @@ from numba import cuda
 from engine import reference as ref
 from engine.config import PRESETS
 from engine.weights import random_weights
-from numba_kernels.moe_experts import TOKENS_PER_PASS, ExpertPlan, moe_experts, plan_pairs
+from numba_kernels.moe_experts import (TOKENS_PER_PASS, ExpertPlan, ExpertsConfig, moe_experts, plan_pairs, weight_view,
+                                       word_width)
 from numba_kernels.moe_router import route_experts, route_experts_from_hidden, router_options
 from numba_kernels.swiglu import silu_mul, swiglu_gemv
 
@@ -190,6 +191,72 @@ def test_moe_experts_matches_float64_loop(weight_dtype):
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+# (d, f, max_word, config, word widths expected for gate_up and down). Sizes make words past the row end
+# (d / vec not a multiple of lanes x unroll), rows past f or d in the last warp, and token chunks of every
+# length up to tokens_per_pass; the simulator has 4 lanes.
+WORD_CASES = [
+    (24, 8, 8, ExpertsConfig(2, 3, 5, 2, 3), (8, 8)),
+    (40, 16, 8, ExpertsConfig(1, 2, 7, 3, 4), (8, 8)),
+    (24, 12, 8, ExpertsConfig(1, 5, 3, 1, 2), (8, 4)),
+    (20, 12, 4, ExpertsConfig(2, 2, 4, 2, 3), (4, 4)),
+    (18, 10, 8, ExpertsConfig(1, 4, 6, 2, 4), (2, 2)),
+    (16, 8, 2, ExpertsConfig(1, 3, 3, 3, 1), (2, 2)),
+]
+
+
+@pytest.mark.parametrize("d,f,max_word,config,widths", WORD_CASES, ids=lambda v: str(v) if isinstance(v, int) else None)
+def test_moe_experts_word_widths_and_launch_shapes(d, f, max_word, config, widths):
+    """bf16 read 8, 4 or 2 columns per load, under several launch shapes, vs the float64 loop."""
+    rng = np.random.default_rng(d * 100 + f)
+    e, k, s = 6, 2, 7
+    config = dataclasses.replace(config, max_word=max_word)
+    x = rng.standard_normal((s, d)).astype(np.float32)
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(s)]).astype(np.int32)
+    ids[:, 0] = np.array([0, 0, 0, 0, 0, 1, 1])  # expert 0: 5 tokens, expert 1: 2 tokens, then 1-2 each
+    ids[:, 1] = np.array([2, 3, 3, 3, 4, 5, 5])
+    weights = rng.random((s, k)).astype(np.float32)
+    w_gate_up, w_down = random_experts(rng, e, d, f)
+    gate_dev, down_dev = to_bf16_bits(w_gate_up), to_bf16_bits(w_down)
+    act_like = np.zeros((s * k, f), np.float32)
+    assert (word_width(weight_view(cuda.to_device(gate_dev), "g"), cuda.to_device(x), config),
+            word_width(weight_view(cuda.to_device(down_dev), "d"), cuda.to_device(act_like), config)) == widths
+    out = cuda.to_device(np.full((s, d), np.nan, np.float32))
+    y = moe_experts(x, ids, weights, gate_dev, down_dev, out=out, config=config).copy_to_host()
+    assert np.isfinite(y).all(), "output not fully written"
+    want = experts_reference(x.astype(np.float64), ids, weights, widen_bf16(gate_dev), widen_bf16(down_dev))
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_moe_experts_fp32_weights_with_a_gpu_like_shape():
+    """fp32 weights (one column a load) with several tokens a pass and unrolled words."""
+    rng = np.random.default_rng(13)
+    e, k, s, d, f = 4, 2, 5, 10, 6
+    x = rng.standard_normal((s, d)).astype(np.float32)
+    ids = np.array([[0, 1], [0, 2], [0, 1], [3, 0], [2, 0]], np.int32)
+    weights = rng.random((s, k)).astype(np.float32)
+    w_gate_up, w_down = random_experts(rng, e, d, f)
+    out = cuda.to_device(np.full((s, d), np.nan, np.float32))
+    y = moe_experts(x, ids, weights, w_gate_up, w_down, out=out, config=ExpertsConfig(2, 2, 3, 3, 4)).copy_to_host()
+    want = experts_reference(x.astype(np.float64), ids, weights, w_gate_up.astype(np.float64),
+                             w_down.astype(np.float64))
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_moe_experts_reuses_buffers_across_calls():
+    """Two calls of the same sizes (cached plan and buffers) with different routing: both right."""
+    rng = np.random.default_rng(14)
+    e, k, s, d, f = 5, 2, 3, 8, 4
+    w_gate_up, w_down = random_experts(rng, e, d, f)
+    for _ in range(2):
+        x = rng.standard_normal((s, d)).astype(np.float32)
+        ids = np.stack([rng.permutation(e)[:k] for _ in range(s)]).astype(np.int32)
+        weights = rng.random((s, k)).astype(np.float32)
+        y = moe_experts(x, ids, weights, w_gate_up, w_down, out=cuda.to_device(np.full((s, d), np.nan, np.float32)))
+        want = experts_reference(x.astype(np.float64), ids, weights, w_gate_up.astype(np.float64),
+                                 w_down.astype(np.float64))
+        np.testing.assert_allclose(y.copy_to_host(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_moe_experts_accumulates_into_out():
     rng = np.random.default_rng(12)
     e, k, s, d, f = 4, 2, 3, 8, 4
@@ -221,6 +288,8 @@ def test_moe_experts_rejects_bad_arrays():
                     np.zeros((4, 7, 4), np.float32))
     with pytest.raises(ValueError, match="accumulate"):
         moe_experts(x, ids, weights, w_gate_up, w_down, accumulate=True)
+    with pytest.raises(ValueError, match="x: must be C-contiguous"):
+        moe_experts(cuda.to_device(np.zeros((2, 16), np.float32))[:, ::2], ids, weights, w_gate_up, w_down)
 
 
 # ------------------------------------------------------------------------------------------------ SwiGLU
