@@ -8,7 +8,7 @@ from numba.cuda import libdevice
 
 from engine import reference as ref
 from engine.config import PRESETS
-from numba_kernels.moe_experts import moe_experts
+from numba_kernels.moe_experts import DEFAULT_CONFIG, moe_experts, weight_view, word_width
 from numba_kernels.moe_router import route_experts, route_experts_from_hidden, router_options
 
 pytestmark = pytest.mark.gpu
@@ -136,6 +136,26 @@ def test_moe_experts_kimi_size(kimi_experts, s):
     # determinism: a second launch gives the same bits
     again = moe_experts(x, ids, weights, w_gate_up, w_down).copy_to_host()
     np.testing.assert_array_equal(again, y)
+
+
+@pytest.mark.parametrize("max_word", [8, 4, 2])
+def test_moe_experts_kimi_size_word_widths(kimi_experts, max_word):
+    """The same result whether bf16 is read 8 (16-byte loads, the default here), 4 or 2 columns a load."""
+    w_gate_up, w_down = kimi_experts
+    config = dataclasses.replace(DEFAULT_CONFIG, max_word=max_word)
+    rng = np.random.default_rng(100 + max_word)
+    s = 8
+    x = rng.standard_normal((s, D)).astype(np.float32)
+    assert word_width(weight_view(w_gate_up, "w_gate_up"), cuda.to_device(x), config) == max_word
+    ids = np.stack([rng.choice(np.arange(8, E), K, replace=False) for _ in range(s)]).astype(np.int32)
+    ids[:5, 0] = 7  # expert 7 takes 5 tokens: a chunk of 4 and one of 1 with 4 tokens a pass
+    weights = rng.random((s, K)).astype(np.float32)
+    out = cuda.to_device(np.full((s, D), np.nan, np.float32))
+    y = moe_experts(x, ids, weights, w_gate_up, w_down, out=out, config=config).copy_to_host()
+    assert np.isfinite(y).all()
+    tokens = np.arange(s)
+    want = experts_reference(x, ids, weights, tokens, w_gate_up, w_down)
+    assert np.abs(y - want).max() <= 1e-4 * np.abs(want).max()
 
 
 def test_moe_experts_bandwidth_report(kimi_experts):
