@@ -23,6 +23,9 @@ from .reference import rope_cos_sin, split_kv_b
 from .weights import check_weights
 
 
+MAX_GRAPH_SHAPES = 8  # token counts with captured graphs (AR: 1; DDTree: the verify size; a few cut trees)
+
+
 def _bf16_bits(a: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bit patterns (uint16), round to nearest even."""
     bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
@@ -59,6 +62,14 @@ class _SimOps:
         return np.array(self._host(x))
 
 
+class _Unsynced:
+    """A device array's interface without its stream field (torch would otherwise wait on that stream)."""
+
+    def __init__(self, array):
+        self.array = array
+        self.__cuda_array_interface__ = {**array.__cuda_array_interface__, "stream": None}
+
+
 class _TorchOps:
     """On a GPU: dense products through cuBLAS (torch); numba kernels share torch's current stream."""
 
@@ -68,6 +79,9 @@ class _TorchOps:
         import torch
         self.torch = torch
         self.weight_dtype = torch.bfloat16 if weight_dtype == "bfloat16" else torch.float32
+        from . import cuda_graphs  # GPU only (the simulator has no memory-manager plugins)
+        cuda_graphs.use_torch_allocator()  # graph capture needs it; eager launches allocate faster too
+        self.segment_graphs = cuda_graphs.SegmentGraphs
 
     def upload(self, a: np.ndarray):
         return cuda.to_device(np.ascontiguousarray(a))
@@ -76,7 +90,13 @@ class _TorchOps:
         return self.torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to("cuda", self.weight_dtype)
 
     def _t(self, x):
-        return self.torch.as_tensor(x, device="cuda")
+        return self.torch.as_tensor(_Unsynced(x), device="cuda")
+
+    @staticmethod
+    def _numba(t):
+        """A Numba view of torch tensor ``t``. Without the interface's stream field: every launch and product
+        runs on one stream in order, and a stream sync would stop a graph capture."""
+        return cuda.from_cuda_array_interface({**t.__cuda_array_interface__, "stream": None}, owner=t, sync=False)
 
     def _x(self, x, w):
         # bf16 weights: the GEMM reads bf16 operands on the tensor cores with fp32 accumulation, so the
@@ -97,15 +117,18 @@ class _TorchOps:
 
     def linear(self, x, w):
         out = self._product(self.torch.mm, self._x(x, w), w.t())
-        return cuda.as_cuda_array(out.contiguous())
+        return self._numba(out.contiguous())
 
     def heads_matmul(self, x, w, transpose_w: bool):
         xh = self._x(x, w).transpose(0, 1)  # [h, s, a]
         out = self._product(self.torch.bmm, xh, w.transpose(1, 2) if transpose_w else w)  # [h, s, b]
-        return cuda.as_cuda_array(out.transpose(0, 1).contiguous())
+        return self._numba(out.transpose(0, 1).contiguous())
 
     def to_host(self, x) -> np.ndarray:
         return x.copy_to_host() if hasattr(x, "copy_to_host") else self._t(x).cpu().numpy()
+
+    def copy(self, x):
+        return self._numba(self._t(x).clone())
 
 
 class DeviceLogits:
@@ -172,9 +195,11 @@ class DeviceCache:
 
 
 class DeviceModel:
-    """The model protocol on the Numba kernels. ``backend`` "cuda" (torch + a GPU) or "sim" (simulator)."""
+    """The model protocol on the Numba kernels. ``backend`` "cuda" (torch + a GPU) or "sim" (simulator);
+    ``graphs``: on cuda, replay captured CUDA graphs of the layer stack (engine/cuda_graphs.py)."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str, weight_dtype: str = "float32"):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str, weight_dtype: str = "float32",
+                 graphs: bool = True):
         if backend not in ("cuda", "sim"):
             raise ValueError(f"device backend must be 'cuda' or 'sim', got {backend!r}")
         if weight_dtype not in ("float32", "bfloat16"):
@@ -192,6 +217,8 @@ class DeviceModel:
         self.lm_head = ops.dense_weight(weights["model.embed_tokens.weight" if cfg.tie_word_embeddings
                                                 else "lm_head.weight"])
         self.layers = [self._load_layer(weights, i) for i in range(cfg.num_hidden_layers)]
+        self.use_graphs = backend == "cuda" and graphs
+        self._graphs, self._shapes_seen = {}, {}
 
     def _load_layer(self, weights, i: int) -> dict:
         cfg, ops = self.cfg, self.ops
@@ -238,7 +265,10 @@ class DeviceModel:
 
     def forward(self, cache: DeviceCache, tokens, positions, visibility=None):
         """Logits float32 [s, V] for ``tokens`` at ``positions`` (cuda: DeviceLogits, left on the device;
-        sim: a numpy array); writes cache rows length..length+s-1."""
+        sim: a numpy array); writes cache rows length..length+s-1.
+
+        The layer stack runs as segments (engine/cuda_graphs.py): on cuda with graphs on, a token count seen
+        before replays its captured segments, with the cache write and attention launched between them."""
         cfg, ops = self.cfg, self.ops
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
@@ -249,57 +279,112 @@ class DeviceModel:
             raise ValueError(f"{s} new rows after {cache.length} exceed the cache capacity {cache.capacity}")
         if positions.min() < 0 or positions.max() >= cfg.max_position_embeddings:
             raise ValueError(f"positions must be in 0..{cfg.max_position_embeddings - 1}")
-        mask = (mla_attention.causal_visibility(s) if visibility is None
-                else mla_attention.pack_visibility(np.asarray(visibility, dtype=bool)))
-        mask = ops.upload(mask)
-        positions_dev = ops.upload(positions)
-        residual = embedding.embed_tokens(self.embed, ops.upload(tokens))
-        delta = None
-        for i, layer in enumerate(self.layers):
-            if delta is None:
-                normed = rmsnorm.rms_norm(residual, layer["input_norm"], cfg.rms_norm_eps)
-            else:
-                normed = rmsnorm.add_rms_norm(delta, residual, layer["input_norm"], cfg.rms_norm_eps)
-            attn = self._attention(i, layer, normed, cache, positions_dev, mask)
-            normed = rmsnorm.add_rms_norm(attn, residual, layer["post_norm"], cfg.rms_norm_eps)
-            delta = self._moe(layer, normed) if cfg.is_moe_layer(i) else self._dense_ffn(layer, normed)
-        normed = rmsnorm.add_rms_norm(delta, residual, self.final_norm, cfg.rms_norm_eps)
-        logits = ops.linear(normed, self.lm_head)
+        mask = ops.upload(mla_attention.causal_visibility(s) if visibility is None
+                          else mla_attention.pack_visibility(np.asarray(visibility, dtype=bool)))
+        graphs = self._graphs_for(s)
+        if graphs is None:
+            state = self._new_state(s)
+            state["tokens"].copy_to_device(tokens)
+            state["positions"].copy_to_device(positions)
+            for k in range(len(self.layers) + 1):
+                self._run_segment(k, state, 0)
+                if k < len(self.layers):
+                    self._attend(k, state, cache, mask)
+        else:
+            state = graphs.state
+            state["tokens"].copy_to_device(tokens)
+            state["positions"].copy_to_device(positions)
+            for k in range(len(self.layers) + 1):
+                graphs.replay(k)
+                if k < len(self.layers):
+                    self._attend(k, state, cache, mask)
+        logits = state["logits"]
         if self.backend == "sim":  # no real device: records read the host array directly (the simulated
             return ops.to_host(logits)  # top-k kernel would cost seconds per step in Python)
+        if graphs is not None:  # the graph's logits buffer is overwritten by the next step of this shape
+            logits = ops.copy(logits)
         return DeviceLogits(logits, ops.to_host)
 
-    def _attention(self, i, layer, x, cache, positions, mask):
+    # -- segments (engine/cuda_graphs.py) -----------------------------------------------------------
+    def _new_state(self, s: int) -> dict:
+        """The arrays that cross segment boundaries for s tokens (graph inputs / outputs, attention output)."""
+        cfg = self.cfg
+        return dict(tokens=cuda.device_array(s, np.int64), positions=cuda.device_array(s, np.int64),
+                    o_lat=cuda.device_array((s, cfg.num_attention_heads, cfg.kv_lora_rank), np.float32))
+
+    def _graphs_for(self, s: int):
+        """The captured segments for s tokens, or None to run eagerly. A shape is captured the second time it
+        is seen (the first run compiles every kernel and warms cuBLAS); prefills (one-off shapes) stay eager."""
+        if not self.use_graphs:
+            return None
+        if s in self._graphs:
+            return self._graphs[s]
+        seen = self._shapes_seen.get(s, 0) + 1
+        self._shapes_seen[s] = seen
+        if seen < 2 or len(self._graphs) >= MAX_GRAPH_SHAPES:
+            return None
+        self._graphs[s] = self.ops.segment_graphs(self.ops.torch, self._run_segment, len(self.layers) + 1,
+                                                    self._new_state(s))
+        return self._graphs[s]
+
+    def _run_segment(self, k: int, state: dict, stream) -> None:
+        """Segment k: k = 0 embeds; 0 < k <= L finishes layer k-1 from its attention output; k < L then
+        normalises and projects layer k (q_lat, q_pe, kv_a for the eager cache write and attention);
+        k = L ends with the final norm and the LM head (state["logits"])."""
         cfg, ops = self.cfg, self.ops
-        h, n, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        s = x.shape[0]
-        if cfg.q_lora_rank is None:
-            q = ops.linear(x, layer["q_proj"])
+        eps = cfg.rms_norm_eps
+        if k == 0:
+            state["residual"] = embedding.embed_tokens(self.embed, state["tokens"], stream=stream)
+            normed = rmsnorm.rms_norm(state["residual"], self.layers[0]["input_norm"], eps, stream=stream)
         else:
-            q = ops.linear(rmsnorm.rms_norm(ops.linear(x, layer["q_a"]), layer["q_norm"], cfg.rms_norm_eps),
-                           layer["q_b"])
+            layer = self.layers[k - 1]
+            s = state["o_lat"].shape[0]
+            o = ops.heads_matmul(state["o_lat"], layer["w_uv"], transpose_w=True)  # [s, h, v]
+            attn = ops.linear(o.reshape(s, cfg.num_attention_heads * cfg.v_head_dim), layer["o_proj"])
+            normed = rmsnorm.add_rms_norm(attn, state["residual"], layer["post_norm"], eps, stream=stream)
+            delta = (self._moe(layer, normed, stream) if cfg.is_moe_layer(k - 1)
+                     else self._dense_ffn(layer, normed, stream))
+            weight = self.final_norm if k == len(self.layers) else self.layers[k]["input_norm"]
+            normed = rmsnorm.add_rms_norm(delta, state["residual"], weight, eps, stream=stream)
+        if k == len(self.layers):
+            state["logits"] = ops.linear(normed, self.lm_head)
+            return
+        layer = self.layers[k]
+        h, n, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        s = normed.shape[0]
+        if cfg.q_lora_rank is None:
+            q = ops.linear(normed, layer["q_proj"])
+        else:
+            q_a = rmsnorm.rms_norm(ops.linear(normed, layer["q_a"]), layer["q_norm"], eps, stream=stream)
+            q = ops.linear(q_a, layer["q_b"])
         q = q.reshape(s, h, n + r)
-        q_pe = rope.apply_rope(q[:, :, n:], self.rope, positions)
-        q_lat = ops.heads_matmul(q[:, :, :n], layer["w_uk"], transpose_w=False)  # [s, h, c]
-        kv_write.write_kv_rows(cache.kv, i, cache.length, ops.linear(x, layer["kv_a"]), layer["kv_norm"],
-                               cfg.rms_norm_eps, self.rope, positions)
-        o_lat = mla_attention.mla_attention(q_lat, q_pe, cache.kv[i], cache.length, mask, cfg.softmax_scale)
-        o = ops.heads_matmul(o_lat, layer["w_uv"], transpose_w=True)  # [s, h, v]
-        return ops.linear(o.reshape(s, h * cfg.v_head_dim), layer["o_proj"])
+        state["q_pe"] = rope.apply_rope(q[:, :, n:], self.rope, state["positions"], stream=stream)
+        state["q_lat"] = ops.heads_matmul(q[:, :, :n], layer["w_uk"], transpose_w=False)  # [s, h, c]
+        state["kv_a"] = ops.linear(normed, layer["kv_a"])
 
-    def _dense_ffn(self, layer, x):
-        return self.ops.linear(swiglu.silu_mul(self.ops.linear(x, layer["ffn_gate_up"])), layer["ffn_down"])
+    def _attend(self, i: int, state: dict, cache: DeviceCache, mask) -> None:
+        """Layer i's cache write and attention (eager: both take the cache length as a launch scalar)."""
+        cfg = self.cfg
+        kv_write.write_kv_rows(cache.kv, i, cache.length, state["kv_a"], self.layers[i]["kv_norm"],
+                               cfg.rms_norm_eps, self.rope, state["positions"])
+        mla_attention.mla_attention(state["q_lat"], state["q_pe"], cache.kv[i], cache.length, mask,
+                                    cfg.softmax_scale, out=state["o_lat"])
 
-    def _moe(self, layer, x):
+    def _dense_ffn(self, layer, x, stream):
+        gate_up = self.ops.linear(x, layer["ffn_gate_up"])
+        return self.ops.linear(swiglu.silu_mul(gate_up, stream=stream), layer["ffn_down"])
+
+    def _moe(self, layer, x, stream):
         cfg = self.cfg
         bias = None if cfg.topk_method == "greedy" else layer["router_bias"]  # greedy routing ignores the bias
         expert_ids, expert_weights = moe_router.route_experts(self.ops.linear(x, layer["router"]), bias,
-                                                              **moe_router.router_options(cfg))
+                                                              **moe_router.router_options(cfg), stream=stream)
         if cfg.n_shared_experts:
-            shared = self._dense_ffn(layer, x)
+            shared = self._dense_ffn(layer, x, stream)
             return moe_experts.moe_experts(x, expert_ids, expert_weights, layer["experts_gate_up"],
-                                           layer["experts_down"], out=shared, accumulate=True)
-        return moe_experts.moe_experts(x, expert_ids, expert_weights, layer["experts_gate_up"], layer["experts_down"])
+                                           layer["experts_down"], out=shared, accumulate=True, stream=stream)
+        return moe_experts.moe_experts(x, expert_ids, expert_weights, layer["experts_gate_up"], layer["experts_down"],
+                                       stream=stream)
 
     def commit(self, cache: DeviceCache, s: int) -> None:
         cache.length += int(s)
