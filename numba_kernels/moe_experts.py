@@ -41,6 +41,9 @@ LANES = 4 if ON_SIMULATOR else WARP_SIZE
 PLAN_THREADS = 8 if ON_SIMULATOR else 1024
 COMBINE_THREADS = 32 if ON_SIMULATOR else 256
 WIDEST_WORD = 8  # bf16 columns per load at most (16 bytes)
+TOKEN_GROUP = 4  # tokens per unrolled step of the FMA loop (see _make_dot_pass)
+MAX_UNROLL = 4
+MAX_TOKENS_PER_PASS = 4 * TOKEN_GROUP
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,14 @@ class ExpertsConfig:
     tokens_per_pass: int      # tokens sharing one read of a weight row (register-blocked)
     max_word: int = WIDEST_WORD  # widest bf16 word to use: 8 (16-byte loads), 4 (uint64) or 2 (uint32)
     max_registers: int = 0    # per-thread register cap for the compiler (0: none), for more blocks per SM
+
+    def __post_init__(self):
+        if not 1 <= self.unroll <= MAX_UNROLL or not 1 <= self.tokens_per_pass <= MAX_TOKENS_PER_PASS:
+            raise ValueError(f"ExpertsConfig: unroll {self.unroll} (1..{MAX_UNROLL}), tokens_per_pass "
+                             f"{self.tokens_per_pass} (1..{MAX_TOKENS_PER_PASS})")
+        if self.max_word not in (2, 4, 8) or min(self.warps_per_block, self.gate_rows_per_warp,
+                                                 self.down_rows_per_warp) < 1:
+            raise ValueError(f"ExpertsConfig: bad launch shape {self}")
 
 
 # The simulator runs every thread as Python: one small warp per block, many rows per warp, one token a pass.
@@ -354,10 +365,47 @@ def _plan_pairs(expert_ids, n_experts, expert_counts, expert_offsets, sorted_pai
 
 def _make_dot_pass(fmt: WordFormat, n_rows: int, unroll: int, tokens_per_pass: int):
     """Device function: this lane's partial dot products of n_rows weight rows with up to tokens_per_pass
-    activation rows, words read per ``fmt``, ``unroll`` words per lane per loop trip."""
+    activation rows, words read per ``fmt``, ``unroll`` words per lane per loop trip.
+
+    Register arrays need constant indices, which LLVM gives only to loops it fully unrolls, and it leaves
+    large loop bodies rolled (the array then goes to local memory). So the big steps are written as calls
+    with constant arguments instead of loops: one call per word of a trip, one per group of TOKEN_GROUP
+    tokens; each call's own loops are small enough to unroll."""
     load_raw, unpack, load_a = fmt.load_raw, fmt.unpack, fmt.load_a
     vec, raw_count, raw_type = fmt.vec, fmt.raw_count, fmt.raw_type
     per_raw = vec // raw_count
+
+    @cuda.jit(**INLINE_DEVICE)
+    def fma_tokens(acc, weights, a, a_rows, n_tokens, word, inside, first):
+        """acc[r, first + t] += weights[r] . a[0, a_rows[first + t]] (word ``word``; zeros unless inside) for
+        t < TOKEN_GROUP while first + t < n_tokens (block-uniform: no FMAs for padding)."""
+        for t in range(TOKEN_GROUP):
+            token = first + t
+            if token < tokens_per_pass and token < n_tokens:
+                xs = load_a(a, a_rows[token], word)
+                for c in range(vec):
+                    xc = xs[c] if inside else float32(0.0)
+                    for r in range(n_rows):
+                        acc[r, token] += weights[r, c] * xc
+
+    @cuda.jit(**INLINE_DEVICE)
+    def consume_word(raw, u, acc, a, a_rows, n_tokens, n_words, base):
+        """Unpack word u of the trip starting at ``base`` and add its products to acc."""
+        inside = base + u * LANES < n_words
+        word = min(base + u * LANES, n_words - 1)  # past the row: the loads read a valid word, this adds 0
+        weights = cuda.local.array((n_rows, vec), float32)
+        for r in range(n_rows):
+            for q in range(raw_count):
+                values = unpack(raw[r, u, q])
+                for c in range(per_raw):
+                    weights[r, q * per_raw + c] = values[c]
+        fma_tokens(acc, weights, a, a_rows, n_tokens, word, inside, 0)
+        if tokens_per_pass > TOKEN_GROUP:
+            fma_tokens(acc, weights, a, a_rows, n_tokens, word, inside, TOKEN_GROUP)
+        if tokens_per_pass > 2 * TOKEN_GROUP:
+            fma_tokens(acc, weights, a, a_rows, n_tokens, word, inside, 2 * TOKEN_GROUP)
+        if tokens_per_pass > 3 * TOKEN_GROUP:
+            fma_tokens(acc, weights, a, a_rows, n_tokens, word, inside, 3 * TOKEN_GROUP)
 
     @cuda.jit(**INLINE_DEVICE)
     def dot_pass(w, expert, rows, a, a_rows, n_tokens, n_words, acc):
@@ -366,32 +414,23 @@ def _make_dot_pass(fmt: WordFormat, n_rows: int, unroll: int, tokens_per_pass: i
         [n_rows], a_rows int32 [tokens_per_pass], acc float32 [n_rows, tokens_per_pass] (local arrays)."""
         lane = cuda.threadIdx.x % LANES
         raw = cuda.local.array((n_rows, unroll, raw_count), raw_type)
-        weights = cuda.local.array((n_rows, vec), float32)
         for r in range(n_rows):
             for t in range(tokens_per_pass):
                 acc[r, t] = 0.0
         for base in range(lane, n_words, LANES * unroll):
             for u in range(unroll):  # every weight load of the trip first: they are in flight together
-                word = min(base + u * LANES, n_words - 1)  # past the row: read a valid word, add 0
+                word = min(base + u * LANES, n_words - 1)
                 for r in range(n_rows):
                     values = load_raw(w, expert, rows[r], word)
                     for q in range(raw_count):
                         raw[r, u, q] = values[q]
-            for u in range(unroll):
-                inside = base + u * LANES < n_words
-                word = min(base + u * LANES, n_words - 1)
-                for r in range(n_rows):
-                    for q in range(raw_count):
-                        values = unpack(raw[r, u, q])
-                        for c in range(per_raw):
-                            weights[r, q * per_raw + c] = values[c]
-                for t in range(tokens_per_pass):
-                    if t < n_tokens:  # block-uniform: no FMAs for padding
-                        xs = load_a(a, a_rows[t], word)
-                        for c in range(vec):
-                            xc = xs[c] if inside else float32(0.0)
-                            for r in range(n_rows):
-                                acc[r, t] += weights[r, c] * xc
+            consume_word(raw, 0, acc, a, a_rows, n_tokens, n_words, base)
+            if unroll > 1:
+                consume_word(raw, 1, acc, a, a_rows, n_tokens, n_words, base)
+            if unroll > 2:
+                consume_word(raw, 2, acc, a, a_rows, n_tokens, n_words, base)
+            if unroll > 3:
+                consume_word(raw, 3, acc, a, a_rows, n_tokens, n_words, base)
     return dot_pass
 
 
