@@ -26,6 +26,7 @@ as int16), or numpy arrays (copied; what the simulator tests use). Launch shapes
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +58,7 @@ class ExpertsConfig:
     tokens_per_pass: int      # tokens sharing one read of a weight row (register-blocked)
     max_word: int = WIDEST_WORD  # widest bf16 word to use: 8 (16-byte loads), 4 (uint64) or 2 (uint32)
     max_registers: int = 0    # per-thread register cap for the compiler (0: none), for more blocks per SM
+    streaming: bool = False   # 16-byte weight loads marked evict-first (ld.global.cs)
 
     def __post_init__(self):
         if not 1 <= self.unroll <= MAX_UNROLL or not 1 <= self.tokens_per_pass <= MAX_TOKENS_PER_PASS:
@@ -110,35 +112,50 @@ def silu(v):
 
 
 # 16-byte loads: numba has no 128-bit type, so an intrinsic loads <2 x i64> (ld.v2.u64) and returns a pair.
+# The streaming variant (ld.global.cs: evict first) is for weights, read once per launch, so that they pass
+# through the caches without pushing out the activations, which every warp re-reads.
 if ON_SIMULATOR:
     def load_u64x2(a, i, j, word):
         """(a[i, j, 2*word], a[i, j, 2*word + 1]); a uint64 3-D."""
         return a[i, j, 2 * word], a[i, j, 2 * word + 1]
+
+    load_u64x2_streaming = load_u64x2
 else:
     from llvmlite import ir
     from numba import types
     from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
-    @intrinsic
-    def load_u64x2(typingctx, a, i, j, word):
-        """(a[i, j, 2*word], a[i, j, 2*word + 1]) in one 16-byte load; a uint64 3-D, C-contiguous, whose
-        element [i, j, 2*word] is 16-byte aligned (the launcher checks the base pointer and the row length)."""
-        pair = types.UniTuple(types.uint64, 2)
-        signature = pair(a, i, j, word)
+    def _make_load_u64x2(streaming: bool):
+        @intrinsic
+        def load(typingctx, a, i, j, word):
+            """(a[i, j, 2*word], a[i, j, 2*word + 1]) in one 16-byte load; a uint64 3-D, C-contiguous, whose
+            element [i, j, 2*word] is 16-byte aligned (the launcher checks the base pointer and row length)."""
+            signature = types.UniTuple(types.uint64, 2)(a, i, j, word)
 
-        def codegen(context, builder, sig, args):
-            array_type = sig.args[0]
-            array = context.make_array(array_type)(context, builder, value=args[0])
-            i, j, word = (context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:]))
-            index = [i, j, builder.mul(word, context.get_constant(types.intp, 2))]
-            pointer = cgutils.get_item_pointer(context, builder, array_type, array, index)
-            vector = ir.VectorType(ir.IntType(64), 2)
-            loaded = builder.load(builder.bitcast(pointer, vector.as_pointer()), align=16)
-            values = [builder.extract_element(loaded, ir.Constant(ir.IntType(32), n)) for n in range(2)]
-            return context.make_tuple(builder, sig.return_type, values)
+            def codegen(context, builder, sig, args):
+                array_type = sig.args[0]
+                array = context.make_array(array_type)(context, builder, value=args[0])
+                i, j, word = (context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:]))
+                index = [i, j, builder.mul(word, context.get_constant(types.intp, 2))]
+                pointer = cgutils.get_item_pointer(context, builder, array_type, array, index)
+                u64 = ir.IntType(64)
+                if streaming:  # device allocations are global memory: the generic address is the global one
+                    pair = ir.LiteralStructType([u64, u64])
+                    asm = ir.InlineAsm(ir.FunctionType(pair, [pointer.type]),
+                                       "ld.global.cs.v2.u64 {$0, $1}, [$2];", "=l,=l,l")
+                    loaded = builder.call(asm, [pointer])
+                    values = [builder.extract_value(loaded, n) for n in range(2)]
+                else:
+                    vector = builder.load(builder.bitcast(pointer, ir.VectorType(u64, 2).as_pointer()), align=16)
+                    values = [builder.extract_element(vector, ir.Constant(ir.IntType(32), n)) for n in range(2)]
+                return context.make_tuple(builder, sig.return_type, values)
 
-        return signature, codegen
+            return signature, codegen
+        return load
+
+    load_u64x2 = _make_load_u64x2(streaming=False)
+    load_u64x2_streaming = _make_load_u64x2(streaming=True)
 
 
 @cuda.jit(**INLINE_DEVICE)
@@ -178,6 +195,11 @@ def w_raw_one(w, expert, row, word):
 @cuda.jit(**INLINE_DEVICE)
 def w_raw_u64x2(w, expert, row, word):
     return load_u64x2(w, expert, row, word)
+
+
+@cuda.jit(**INLINE_DEVICE)
+def w_raw_u64x2_streaming(w, expert, row, word):
+    return load_u64x2_streaming(w, expert, row, word)
 
 
 @cuda.jit(**INLINE_DEVICE)
@@ -227,6 +249,7 @@ WORD_FORMATS = {
     4: WordFormat(4, 1, uint64, w_raw_one, bf16x4, a_word_x4, np.uint64),         # bf16, 8-byte loads
     8: WordFormat(8, 2, uint64, w_raw_u64x2, bf16x4, a_word_x8, np.uint64),       # bf16, 16-byte loads
 }
+STREAMING_FORMATS = {8: dataclasses.replace(WORD_FORMATS[8], load_raw=w_raw_u64x2_streaming)}
 
 
 @cuda.jit(**INLINE_DEVICE)
@@ -529,7 +552,7 @@ def expert_kernels(vec: int, config: ExpertsConfig):
     per (vec, config)."""
     key = (vec, config)
     if key not in _KERNELS:
-        fmt = WORD_FORMATS[vec]
+        fmt = STREAMING_FORMATS.get(vec, WORD_FORMATS[vec]) if config.streaming else WORD_FORMATS[vec]
         _KERNELS[key] = (_make_gate_up(fmt, config), _make_down(fmt, config))
     return _KERNELS[key]
 

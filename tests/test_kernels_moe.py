@@ -197,6 +197,7 @@ def test_moe_experts_matches_float64_loop(weight_dtype):
 WORD_CASES = [
     (24, 8, 8, ExpertsConfig(2, 3, 5, 2, 3), (8, 8)),
     (40, 16, 8, ExpertsConfig(1, 2, 7, 3, 4), (8, 8)),
+    (32, 8, 8, ExpertsConfig(1, 2, 3, 4, 5, streaming=True), (8, 8)),
     (24, 12, 8, ExpertsConfig(1, 5, 3, 1, 2), (8, 4)),
     (20, 12, 4, ExpertsConfig(2, 2, 4, 2, 3), (4, 4)),
     (18, 10, 8, ExpertsConfig(1, 4, 6, 2, 4), (2, 2)),
