@@ -25,8 +25,8 @@ as int16), or numpy arrays (copied; what the simulator tests use). Launch shapes
 """
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -622,9 +622,9 @@ def word_width(weights, activation, config: ExpertsConfig) -> int:
     if not is_bf16:
         return 1
     cols = 2 * view.shape[2]
-    for vec in (8, 4):  # a vec-column word is 2*vec bytes of weights and 4*vec bytes of activations
+    for vec in (8, 4):  # weights: one 2*vec-byte load; activations: 16-byte (vec 8) or 8-byte (vec 4) loads
         if (vec <= config.max_word and cols % vec == 0 and _address(view) % (2 * vec) == 0
-                and _address(activation) % min(4 * vec, 16) == 0):
+                and _address(activation) % (2 * vec) == 0):
             return vec
     return 2
 

@@ -228,6 +228,14 @@ def test_moe_experts_word_widths_and_launch_shapes(d, f, max_word, config, width
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("kwargs", [dict(unroll=5), dict(unroll=0), dict(tokens_per_pass=17),
+                                    dict(max_word=16), dict(warps_per_block=0)])
+def test_experts_config_rejects_bad_shapes(kwargs):
+    shape = dict(warps_per_block=2, gate_rows_per_warp=2, down_rows_per_warp=2, unroll=2, tokens_per_pass=2)
+    with pytest.raises(ValueError, match="ExpertsConfig"):
+        ExpertsConfig(**{**shape, **kwargs})
+
+
 def test_moe_experts_fp32_weights_with_a_gpu_like_shape():
     """fp32 weights (one column a load) with several tokens a pass and unrolled words."""
     rng = np.random.default_rng(13)

@@ -158,6 +158,26 @@ def test_moe_experts_kimi_size_word_widths(kimi_experts, max_word):
     assert np.abs(y - want).max() <= 1e-4 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("offset,width", [(0, 8), (2, 4), (1, 2)])
+def test_moe_experts_misaligned_x_falls_back(kimi_experts, offset, width):
+    """x starting `offset` floats into its buffer (0, 8 or 4 bytes aligned): narrower words, same result."""
+    w_gate_up, w_down = kimi_experts
+    rng = np.random.default_rng(200 + offset)
+    s = 2
+    x_host = rng.standard_normal((s, D)).astype(np.float32)
+    buffer = cuda.device_array(s * D + 4, dtype=np.float32)
+    x = buffer[offset:offset + s * D].reshape(s, D)
+    x.copy_to_device(x_host)
+    assert word_width(weight_view(w_gate_up, "w_gate_up"), x, DEFAULT_CONFIG) == width
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(s)]).astype(np.int32)
+    weights = rng.random((s, K)).astype(np.float32)
+    out = cuda.to_device(np.full((s, D), np.nan, np.float32))
+    y = moe_experts(x, ids, weights, w_gate_up, w_down, out=out).copy_to_host()
+    assert np.isfinite(y).all()
+    want = experts_reference(x_host, ids, weights, np.arange(s), w_gate_up, w_down)
+    assert np.abs(y - want).max() <= 1e-4 * np.abs(want).max()
+
+
 def test_moe_experts_bandwidth_report(kimi_experts):
     """Informative: effective bandwidth on expert weight reads at 64 tokens vs a device copy (target >= 60%)."""
     w_gate_up, w_down = kimi_experts
