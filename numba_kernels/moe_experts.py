@@ -21,7 +21,8 @@ Weights: fp32, or bf16 stored as uint16/int16 bit patterns, widened in the kerne
 Stacked layouts: w_gate_up [e, 2f, d] (f gate rows, then f up rows, per expert), w_down [e, d, f].
 Every launcher takes numba device arrays, __cuda_array_interface__ objects (torch tensors; bf16 ones viewed
 as int16), or numpy arrays (copied; what the simulator tests use). Launch shapes are an ExpertsConfig
-(DEFAULT_CONFIG; kernels are built and cached per config, so a benchmark can sweep them).
+(default_config picks one by tokens per expert; kernels are built and cached per config, so a benchmark can
+sweep them).
 """
 from __future__ import annotations
 
@@ -73,7 +74,18 @@ class ExpertsConfig:
 DEFAULT_CONFIG = (ExpertsConfig(1, 32, 64, 1, 1) if ON_SIMULATOR else
                   ExpertsConfig(warps_per_block=8, gate_rows_per_warp=2, down_rows_per_warp=4, unroll=2,
                                 tokens_per_pass=4))
+# When the pairs outnumber the experts several times over (s = 256, k = 8, e = 384: ~5.3 tokens an expert),
+# more tokens a pass, so that an expert's weights are read once rather than twice; fewer rows per warp pay
+# for the extra accumulators.
+MANY_TOKENS_CONFIG = (DEFAULT_CONFIG if ON_SIMULATOR else
+                      ExpertsConfig(warps_per_block=8, gate_rows_per_warp=1, down_rows_per_warp=2, unroll=4,
+                                    tokens_per_pass=8))
 TOKENS_PER_PASS = DEFAULT_CONFIG.tokens_per_pass
+
+
+def default_config(n_pairs: int, n_experts: int) -> ExpertsConfig:
+    """The launch shape for n_pairs (token, expert) pairs over n_experts experts."""
+    return MANY_TOKENS_CONFIG if n_pairs > DEFAULT_CONFIG.tokens_per_pass * n_experts else DEFAULT_CONFIG
 SCRATCH_THREADS_PER_WARP = LANES if ON_SIMULATOR else 1  # warp-sum scratch: only the simulator needs it
 
 
@@ -644,9 +656,9 @@ def _launch_views(weights, activation, vec):
 def grouped_swiglu(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, stream=0, config=None):
     """pair_out[p] = down_e(silu(gate_e x_t) * up_e x_t) for every planned pair p = t*k + slot of expert e.
     Arguments already checked: x float32 [s, d] and act float32 [P, f], both C-contiguous; weight views from
-    weight_view; pair_out float32 [P, d]. ``config``: an ExpertsConfig (default DEFAULT_CONFIG)."""
-    config = config or DEFAULT_CONFIG
+    weight_view; pair_out float32 [P, d]. ``config``: an ExpertsConfig (default: default_config)."""
     f = act.shape[1]
+    config = config or default_config(act.shape[0], w_gate_up[0].shape[0])
     d = x.shape[1]
     max_active = plan.active_experts.shape[0]
     if max_active == 0:
@@ -696,7 +708,7 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, out=None, a
     w_gate_up [e, 2f, d] and w_down [e, d, f], float32 or bf16 bits (uint16/int16); d and f even.
     Returns y float32 [s, d] = sum_i w_i * down_e(silu(gate_e x) * up_e x); with accumulate=True the sum is
     added to ``out`` (e.g. holding the shared expert's output). ``plan``: an ExpertPlan to reuse;
-    ``config``: an ExpertsConfig (launch shape; default DEFAULT_CONFIG).
+    ``config``: an ExpertsConfig (launch shape; default: default_config(s * k, e)).
     """
     x = as_device(x, "x")
     check_array(x, "x", (None, None), [np.float32])
