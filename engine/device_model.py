@@ -330,7 +330,8 @@ class DeviceModel:
     def _run_segment(self, k: int, state: dict, stream) -> None:
         """Segment k: k = 0 embeds; 0 < k <= L finishes layer k-1 from its attention output; k < L then
         normalises and projects layer k (q_lat, q_pe, kv_a for the eager cache write and attention);
-        k = L ends with the final norm and the LM head (state["logits"])."""
+        k = L ends with the final norm and the LM head (state["logits"]). Graph mode: ``state`` keeps what the
+        captures left there, so nothing a later segment or an attention reads may be overwritten by another."""
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
         if k == 0:
@@ -358,16 +359,17 @@ class DeviceModel:
             q_a = rmsnorm.rms_norm(ops.linear(normed, layer["q_a"]), layer["q_norm"], eps, stream=stream)
             q = ops.linear(q_a, layer["q_b"])
         q = q.reshape(s, h, n + r)
-        state["q_pe"] = rope.apply_rope(q[:, :, n:], self.rope, state["positions"], stream=stream)
-        state["q_lat"] = ops.heads_matmul(q[:, :, :n], layer["w_uk"], transpose_w=False)  # [s, h, c]
-        state["kv_a"] = ops.linear(normed, layer["kv_a"])
+        # One entry per layer: a replay runs all segments, and attention i must read layer i's arrays.
+        state[("q_pe", k)] = rope.apply_rope(q[:, :, n:], self.rope, state["positions"], stream=stream)
+        state[("q_lat", k)] = ops.heads_matmul(q[:, :, :n], layer["w_uk"], transpose_w=False)  # [s, h, c]
+        state[("kv_a", k)] = ops.linear(normed, layer["kv_a"])
 
     def _attend(self, i: int, state: dict, cache: DeviceCache, mask) -> None:
         """Layer i's cache write and attention (eager: both take the cache length as a launch scalar)."""
         cfg = self.cfg
-        kv_write.write_kv_rows(cache.kv, i, cache.length, state["kv_a"], self.layers[i]["kv_norm"],
+        kv_write.write_kv_rows(cache.kv, i, cache.length, state[("kv_a", i)], self.layers[i]["kv_norm"],
                                cfg.rms_norm_eps, self.rope, state["positions"])
-        mla_attention.mla_attention(state["q_lat"], state["q_pe"], cache.kv[i], cache.length, mask,
+        mla_attention.mla_attention(state[("q_lat", i)], state[("q_pe", i)], cache.kv[i], cache.length, mask,
                                     cfg.softmax_scale, out=state["o_lat"])
 
     def _dense_ffn(self, layer, x, stream):

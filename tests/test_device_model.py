@@ -134,3 +134,40 @@ def test_device_logits_topk_and_rows_equal_the_host_versions():
     np.testing.assert_array_equal(logits.rows([3, 0]), host[[3, 0]])  # before any full host copy exists
     for ours, theirs in zip(records.target_topk(logits), records.target_topk(host)):
         np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["small", "k2-mini"])
+def test_cuda_graph_replays_equal_the_eager_forward(preset):
+    """The captured segments (engine/cuda_graphs.py) give the eager forward's logits, step after step, for AR
+    (s = 1) and a verify shape, and are really used (a capture exists for each shape)."""
+    from engine.device_model import DeviceModel
+    from engine.weights import random_weights
+    from engine.config import PRESETS
+
+    cfg = PRESETS[preset]
+    weights = random_weights(cfg, 0)
+    graphed, eager = (DeviceModel(cfg, weights, "cuda", graphs=g) for g in (True, False))
+    rng = np.random.default_rng(0)
+    caches = [m.new_cache(64) for m in (graphed, eager)]
+    prompt = rng.integers(0, cfg.vocab_size, 8)
+    for model, cache in zip((graphed, eager), caches):
+        model.forward(cache, prompt, np.arange(8))
+        model.commit(cache, 8)
+    visibility = np.tril(np.ones((5, 5), bool))
+    visibility[3, 1:3] = visibility[4, 1:4] = False  # a small tree: 0 <- 1 <- 2, 0 <- 3 <- 4
+    for step in range(6):
+        tokens = rng.integers(0, cfg.vocab_size, 1 if step % 2 == 0 else 5)
+        for model, cache in zip((graphed, eager), caches):
+            positions = cache.length + (np.arange(len(tokens)) if len(tokens) == 1 else np.array([0, 1, 2, 1, 2]))
+            out = model.forward(cache, tokens, positions, None if len(tokens) == 1 else visibility)
+            model.commit(cache, len(tokens))
+            if model is graphed:
+                got = np.asarray(out)
+            else:
+                want = np.asarray(out)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+    assert set(graphed._graphs) == {1, 5}  # each shape captured on its second use
+    for model, cache in zip((graphed, eager), caches):
+        np.testing.assert_allclose(cache.kv.copy_to_host()[:, :cache.length],
+                                   caches[1].kv.copy_to_host()[:, :cache.length], atol=1e-5)
