@@ -137,7 +137,7 @@ def test_device_logits_topk_and_rows_equal_the_host_versions():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["small", "k2-mini"])
+@pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_cuda_graph_replays_equal_the_eager_forward(preset):
     """The captured segments (engine/cuda_graphs.py) give the eager forward's logits, step after step, for AR
     (s = 1) and a verify shape, and are really used (a capture exists for each shape)."""
