@@ -31,16 +31,23 @@ def run(suites: Optional[Iterable[str]] = None, json: bool = False, quick: bool 
     if on_gpu and not quick and not _gpu_available():
         raise ValueError(f"suite {on_gpu[0]!r} needs a CUDA GPU (none here); run it on a GPU machine, or "
                          f"--quick for a toy run under the simulator")
+    torch = _torch_with_numba_allocations() if on_gpu and not quick else None
     rows = ceiling_rows(quick) if on_gpu else []
     for name in names:
         suite_start = time.perf_counter()
         progress(f"suite {name} ...")
+        if torch is not None:
+            torch.cuda.reset_peak_memory_stats()
         try:
             module = importlib.import_module(f"{__package__}.{name}")
             rows.extend(module.run(quick=quick))
         except Exception as e:  # one broken suite must not hide the others' numbers
             first = (str(e).splitlines() or [""])[0]
             rows.append(row(name, "suite failed", None, ok=False, note=f"{type(e).__name__}: {first}"))
+        if torch is not None and name in GPU_SUITES:
+            rows.append(row(name, "peak GPU memory", torch.cuda.max_memory_allocated() / 2 ** 30, "GiB",
+                            note="high-water mark of torch's allocator during the suite (Numba's allocations "
+                                 "go through it too)"))
         progress(f"suite {name} done in {time.perf_counter() - suite_start:.1f} s")
     progress(f"all suites done in {time.perf_counter() - started:.1f} s")
     if json:
@@ -49,6 +56,17 @@ def run(suites: Optional[Iterable[str]] = None, json: bool = False, quick: bool 
     else:
         out.write(format_table(rows) + "\n")
     return rows
+
+
+def _torch_with_numba_allocations():
+    """torch (or None without it), with Numba's device allocations routed through torch's allocator, so that
+    one high-water mark covers both."""
+    from .common import torch_cuda
+    torch = torch_cuda()
+    if torch is not None:
+        from engine.cuda_graphs import use_torch_allocator
+        use_torch_allocator()
+    return torch
 
 
 def _gpu_available() -> bool:
