@@ -18,6 +18,7 @@ from numba import cuda
 from numba_kernels import (embedding, kv_compact, kv_write, mla_attention, moe_experts, moe_router, rmsnorm, rope,
                            sampling, swiglu, tree_accept, tree_build)
 from . import ddtree_ref
+from .records import TARGET_TOPK
 from .config import ModelConfig
 from .reference import rope_cos_sin, split_kv_b
 from .weights import check_weights
@@ -137,6 +138,7 @@ class DeviceLogits:
 
     def __init__(self, device, to_host):
         self.device, self._to_host, self._host = device, to_host, None
+        self._topk = None  # (k, device ids, values, margins) when token choice already ran the top-k
 
     @property
     def shape(self):
@@ -159,7 +161,11 @@ class DeviceLogits:
         past V padded with -1 / NaN, ties -> lower id (as engine.records.target_topk)."""
         s, vocab = self.shape
         width = min(k, vocab)
-        ids, values, margins = (self._to_host(a) for a in sampling.topk_rows(self.device, width))
+        if self._topk is not None and self._topk[0] == width:
+            found = self._topk[1:]
+        else:
+            found = sampling.topk_rows(self.device, width)
+        ids, values, margins = (self._to_host(a) for a in found)
         if width < k:
             ids = np.concatenate([ids, np.full((s, k - width), -1, np.int32)], axis=1)
             values = np.concatenate([values, np.full((s, k - width), np.nan, np.float32)], axis=1)
@@ -404,9 +410,16 @@ class DeviceTreeOps:
     @staticmethod
     def choose_tokens(logits, temperature: float, seed: int, positions: np.ndarray) -> np.ndarray:
         """logits: DeviceLogits (chosen where they are) or a host array [s, V] (uploaded)."""
-        logits = (logits.device if isinstance(logits, DeviceLogits)
+        kept = logits if isinstance(logits, DeviceLogits) else None
+        logits = (logits.device if kept is not None
                   else cuda.to_device(np.ascontiguousarray(logits, dtype=np.float32)))
-        if temperature == 0:
+        if temperature == 0 and kept is not None and logits.shape[1] >= TARGET_TOPK:
+            # Greedy choice = the first of the top-k (same tie rule); the step record then reuses the top-k
+            # instead of another pass over the vocabulary.
+            top = sampling.topk_rows(logits, TARGET_TOPK)
+            kept._topk = (TARGET_TOPK,) + tuple(top)
+            ids = top[0].copy_to_host()[:, 0]
+        elif temperature == 0:
             ids = sampling.argmax_rows(logits)
         else:
             ids = sampling.sample_rows(logits, float(temperature), int(seed), np.asarray(positions, dtype=np.int64))

@@ -171,3 +171,22 @@ def test_cuda_graph_replays_equal_the_eager_forward(preset):
     for model, cache in zip((graphed, eager), caches):
         np.testing.assert_allclose(cache.kv.copy_to_host()[:, :cache.length],
                                    caches[1].kv.copy_to_host()[:, :cache.length], atol=1e-5)
+
+
+@pytest.mark.sim
+def test_greedy_choice_keeps_the_top_k_the_record_reads():
+    """Token choice at T = 0 runs the top-k once; the choice is its first id and the record's top-k is the host
+    version's (ties -> lower id), whether or not the choice ran first."""
+    from numba import cuda
+
+    from engine import records, sampling_ref
+    from engine.device_model import DeviceLogits, DeviceTreeOps
+
+    rng = np.random.default_rng(5)
+    host = rng.integers(-4, 4, (3, 50)).astype(np.float32)  # many ties
+    logits = DeviceLogits(cuda.to_device(host), lambda a: a.copy_to_host())
+    chosen = DeviceTreeOps.choose_tokens(logits, 0.0, 0, np.arange(3))
+    assert logits._topk is not None
+    np.testing.assert_array_equal(chosen, [sampling_ref.choose_token(row, 0.0, 0, 0) for row in host])
+    for ours, theirs in zip(records.target_topk(logits), records.target_topk(host)):
+        np.testing.assert_array_equal(ours, theirs)
