@@ -61,9 +61,8 @@ class TileConfig(NamedTuple):
 
     def shared_floats(self) -> tuple[int, int]:
         """(stage buffer, probability tile) sizes in floats."""
-        key_groups = self.keys // self.s_keys
         stage = max(self.d_chunk * (self.rows + 1 + self.keys + 1), self.v_chunk * MAX_LATENT,
-                    key_groups * (self.rows + 1))
+                    2 * self.threads)  # softmax: a max and a sum partial per thread
         return stage, self.rows * (self.keys + 1)
 
     def check(self) -> None:
@@ -77,7 +76,7 @@ class TileConfig(NamedTuple):
             ((bm * self.d_chunk) % t == 0 and (bn * self.d_chunk) % t == 0 and t % self.d_chunk == 0,
              "(rows, keys) * d_chunk divisible by threads, threads by d_chunk"),
             ((self.v_chunk * MAX_LATENT) % t == 0 and bn % self.v_chunk == 0, "v_chunk * MAX_LATENT % threads, keys % v_chunk"),
-            (bm <= t, "rows <= threads (one thread per row updates the softmax state)"),
+            (t % bm == 0 and bn % (t // bm) == 0, "threads % rows, keys % (threads / rows) (softmax: threads per row)"),
             (4 * (sum(self.shared_floats()) + 3 * bm) <= SHARED_LIMIT, "shared memory <= 48 KB"),
         ]
         for ok, rule in rules:
@@ -101,6 +100,30 @@ def key_visible(token, key, prefix_len, visibility):
     return (visibility[token, j >> 5] >> uint32(j & 31)) & uint32(1) != uint32(0)
 
 
+# Device helpers are inlined into the kernel (LLVM alwaysinline on a GPU; the simulator has no such option).
+INLINE_DEVICE = dict(device=True) if ON_SIMULATOR else dict(device=True, forceinline=True)
+
+
+def static_for(count: int, body):
+    """Device function run(args) = body(0, args); ...; body(count - 1, args) as straight-line calls.
+
+    A register array (cuda.local.array) stays in registers only if every index is a constant after
+    unrolling, and LLVM leaves loops with large bodies rolled (the array then lives in local memory). Calls
+    with constant first arguments give the constant indices whatever the body's size. args: one tuple."""
+    if count == 1:
+        @cuda.jit(**INLINE_DEVICE)
+        def run_one(args):
+            body(0, args)
+        return run_one
+    first, last = static_for(count - 1, body), count - 1
+
+    @cuda.jit(**INLINE_DEVICE)
+    def run(args):
+        first(args)
+        body(last, args)
+    return run
+
+
 @functools.lru_cache(maxsize=None)
 def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
     """The split-K attention kernel for one TileConfig (built once per config)."""
@@ -119,6 +142,8 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
     V_LOADS = NK * MAX_LATENT // T
     LOADS = max(QK_LOADS, V_LOADS)
     S_TILE, O_TILE = SR * SK, OR * OC
+    RQ = T // BM                               # softmax: RQ threads per row, KEYS_PER_PART keys each
+    KEYS_PER_PART = BN // RQ
     compile_options = {} if ON_SIMULATOR else dict(launch_bounds=(T, config.blocks_per_sm))
     if config.max_registers is not None and not ON_SIMULATOR:
         compile_options["max_registers"] = config.max_registers
@@ -178,6 +203,77 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
         tid = cuda.threadIdx.x
         for k in range(V_LOADS):
             stage[tid + T * k] = pre[k]
+
+    @cuda.jit(device=True, inline=True)
+    def online_softmax(acc_s, acc_o, p_s, stage, row_max, row_sum, row_alpha, row0, rows, heads, tile_begin,
+                       tile_keys, prefix_len, visibility, scale):
+        """Scores of the tile (acc_s) -> probabilities p_s [BM, BN+1]; row max / sum / alpha updated, acc_o
+        rescaled. RQ threads per row walk KEYS_PER_PART keys each (shared memory only: the register tiles
+        are touched in constant-index loops); stage holds the row partials. Every thread must call it."""
+        tid = cuda.threadIdx.x
+        rg, kg = tid // KG, tid % KG
+        for i in range(SR):
+            for j in range(SK):
+                p_s[(rg + RG * i) * P_STRIDE + kg + KG * j] = acc_s[i * SK + j]
+        cuda.syncthreads()  # raw scores stored
+        m, part = tid // RQ, tid % RQ
+        row = row0 + m
+        token = row // heads
+        first = m * P_STRIDE + part * KEYS_PER_PART
+        local_max = float32(-math.inf)
+        for j in range(KEYS_PER_PART):
+            n = part * KEYS_PER_PART + j
+            visible = row < rows and n < tile_keys and key_visible(token, tile_begin + n, prefix_len, visibility)
+            score = p_s[first + j] * scale if visible else float32(-math.inf)
+            p_s[first + j] = score
+            local_max = max(local_max, score)
+        stage[tid] = local_max
+        cuda.syncthreads()  # partial maxima stored
+        old_max = row_max[m]
+        new_max = old_max
+        for k in range(RQ):
+            new_max = max(new_max, stage[m * RQ + k])
+        local_sum = float32(0.0)
+        for j in range(KEYS_PER_PART):
+            p = math.exp(p_s[first + j] - new_max) if new_max != -math.inf else float32(0.0)
+            p_s[first + j] = p
+            local_sum += p
+        stage[T + tid] = local_sum
+        cuda.syncthreads()  # probabilities and partial sums stored; every thread has read row_max
+        if part == 0:
+            # nothing visible yet: alpha 1 (exp(-inf - -inf) would be NaN); 0 when the first keys arrive
+            alpha = math.exp(old_max - new_max) if new_max != -math.inf else float32(1.0)
+            total = float32(0.0)
+            for k in range(RQ):
+                total += stage[T + m * RQ + k]
+            row_sum[m] = row_sum[m] * alpha + total
+            row_max[m] = new_max
+            row_alpha[m] = alpha
+        cuda.syncthreads()  # row state updated; partials read before the next stage overwrites them
+        org = tid // OCG
+        for i in range(OR):
+            alpha = row_alpha[org + ORG * i]
+            for k in range(OC):
+                acc_o[i * OC + k] *= alpha
+
+    @cuda.jit(**INLINE_DEVICE)
+    def store_o_row(i, args):
+        """Row i of this thread's o tile (already divided by the row sum) to out or o_part."""
+        acc_o, row0, rows, heads, latent, direct, split, out, o_part = args
+        row = row0 + cuda.threadIdx.x // OCG + ORG * i
+        if row < rows:
+            token = row // heads
+            head = row - token * heads
+            ocg = cuda.threadIdx.x % OCG
+            for k in range(OC):
+                column = ocg + OCG * k
+                if column < latent:
+                    if direct:
+                        out[token, head, column] = acc_o[i * OC + k]
+                    else:
+                        o_part[split, token, head, column] = acc_o[i * OC + k]
+
+    store_o_rows = static_for(OR, store_o_row)
 
     @cuda.jit(fastmath=config.fastmath, **compile_options)
     def mla_attention_split_kernel(q_lat, q_pe, cache, prefix_len, visibility, scale, keys_per_split, direct,
@@ -260,75 +356,24 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
                                 for i in range(OR):
                                     acc_o[i * OC + k] += p_val[i] * v
                     cuda.syncthreads()  # all threads done with this stage before the next is stored
-                    if step == s_stages - 1:  # ---- softmax of the tile (stage buffer free: row partials there)
-                        for i in range(SR):
-                            m = rg + RG * i
-                            row = row0 + m
-                            token = row // heads
-                            local_max = float32(-math.inf)
-                            for j in range(SK):
-                                n = kg + KG * j
-                                key = tile_begin + n
-                                visible = (row < rows and n < tile_keys
-                                           and key_visible(token, key, prefix_len, visibility))
-                                score = acc_s[i * SK + j] * scale if visible else float32(-math.inf)
-                                acc_s[i * SK + j] = score
-                                local_max = max(local_max, score)
-                            stage[kg * Q_STRIDE + m] = local_max
-                        cuda.syncthreads()  # row partial maxima stored
-                        if tid < BM:
-                            old_max = row_max[tid]
-                            new_max = old_max
-                            for k in range(KG):
-                                new_max = max(new_max, stage[k * Q_STRIDE + tid])
-                            row_max[tid] = new_max
-                            # nothing visible yet: keep alpha 1 (exp(-inf - -inf) would be NaN); 0 if old_max = -inf
-                            row_alpha[tid] = math.exp(old_max - new_max) if new_max != -math.inf else float32(1.0)
-                        cuda.syncthreads()  # row maxima and rescale factors ready; partial maxima read
-                        for i in range(SR):
-                            m = rg + RG * i
-                            top = row_max[m]
-                            local_sum = float32(0.0)
-                            for j in range(SK):
-                                p = math.exp(acc_s[i * SK + j] - top) if top != -math.inf else float32(0.0)
-                                p_s[m * P_STRIDE + kg + KG * j] = p
-                                local_sum += p
-                            stage[kg * Q_STRIDE + m] = local_sum
-                        for i in range(OR):
-                            alpha = row_alpha[org + ORG * i]
-                            for k in range(OC):
-                                acc_o[i * OC + k] *= alpha
-                        cuda.syncthreads()  # probabilities and row partial sums stored
-                        if tid < BM:
-                            total = float32(0.0)
-                            for k in range(KG):
-                                total += stage[k * Q_STRIDE + tid]
-                            row_sum[tid] = row_sum[tid] * row_alpha[tid] + total
-                        cuda.syncthreads()  # partial sums read before the first V stage overwrites them
+                    if step == s_stages - 1:  # ---- softmax of the tile
+                        online_softmax(acc_s, acc_o, p_s, stage, row_max, row_sum, row_alpha, row0, rows, heads,
+                                       tile_begin, tile_keys, prefix_len, visibility, scale)
             cuda.syncthreads()  # row state final (also when this split had no key tile)
 
+            # ---- write-out: o / row sum, then stores (two small loops: register indices stay constant)
             for i in range(OR):
-                m = org + ORG * i
-                row = row0 + m
-                if row >= rows:
-                    continue
-                token = row // heads
-                head = row - token * heads
-                total = row_sum[m]
-                if direct:
-                    inv = float32(1.0) / total if total > 0 else float32(math.nan)  # NaN: the query saw no key
-                    for k in range(OC):
-                        column = ocg + OCG * k
-                        if column < latent:
-                            out[token, head, column] = acc_o[i * OC + k] * inv
-                else:
-                    inv = float32(1.0) / total if total > 0 else float32(0.0)
-                    for k in range(OC):
-                        column = ocg + OCG * k
-                        if column < latent:
-                            o_part[split, token, head, column] = acc_o[i * OC + k] * inv
-                    if ocg == 0:
-                        lse_part[split, token, head] = row_max[m] + math.log(total) if total > 0 else -math.inf
+                total = row_sum[org + ORG * i]
+                # no visible key: NaN when final (the query saw nothing), 0 in a partial (merged away)
+                inv = float32(1.0) / total if total > 0 else (float32(math.nan) if direct else float32(0.0))
+                for k in range(OC):
+                    acc_o[i * OC + k] *= inv
+            store_o_rows((acc_o, row0, rows, heads, latent, direct, split, out, o_part))
+            if not direct and tid < BM and row0 + tid < rows:
+                token = (row0 + tid) // heads
+                total = row_sum[tid]
+                lse_part[split, token, row0 + tid - token * heads] = (row_max[tid] + math.log(total) if total > 0
+                                                                      else float32(-math.inf))
 
     return mla_attention_split_kernel
 
