@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int16, int32, uint32
 
 from numba_kernels.warp import FULL_MASK, ON_SIMULATOR, USE_SHUFFLE, WARP_SIZE, to_device
 
@@ -22,6 +22,8 @@ MAX_BUDGET = 1024
 MAX_NODES = MAX_BUDGET + 1
 MAX_WORDS = (MAX_NODES + 31) // 32
 # Frontier arrays: at most B candidates at once; after the build one of them stages WARP_SIZE bitmask rows.
+# A candidate's depth is kept with it (int16: all shared arrays stay under 48 KB) so a pop reads its depth
+# together with its score, parent and rank instead of after them.
 FRONT_SLOTS = max(MAX_NODES, WARP_SIZE * MAX_WORDS)
 # Log-probs staged in shared memory when L*K fits (16 KB; node + frontier arrays take 28.7 KB: under the
 # 48 KB static limit), so each pop's dependent log-prob loads hit shared memory.
@@ -99,8 +101,8 @@ def make_build_kernel(stage_logprobs: bool = True, coalesce_mask: bool = True, s
 
     @cuda.jit(device=True)
     def frontier_best(lane, lanes, size, front_score, front_parent, front_rank, node_parent, node_depth,
-                      node_rank, red_score, red_slot, red_parent, red_rank):
-        """(slot, score, parent, rank) of the candidate that pops next, returned to every lane (size > 0)."""
+                      node_rank, front_depth, red_score, red_slot, red_parent, red_rank, red_depth):
+        """(slot, score, parent, rank, depth) of the candidate that pops next, returned to every lane (size > 0)."""
         best_score = float32(-math.inf)
         best_slot = int32(-1)
         loaded = cuda.local.array(scan_unroll, float32)
@@ -143,15 +145,17 @@ def make_build_kernel(stage_logprobs: bool = True, coalesce_mask: bool = True, s
                         best_score = other_score
                         best_slot = other_slot
                     offset //= 2
-            return best_slot, best_score, front_parent[best_slot], front_rank[best_slot]
+            return best_slot, best_score, front_parent[best_slot], front_rank[best_slot], int32(front_depth[best_slot])
         # Simulator: the partials go through shared memory with the winner's parent and rank, so after this one
         # barrier no lane reads the frontier again and lane 0 may change it at once.
         best_parent = front_parent[best_slot] if best_slot >= 0 else int32(-1)
         best_rank = front_rank[best_slot] if best_slot >= 0 else int32(-1)
+        best_depth = int32(front_depth[best_slot]) if best_slot >= 0 else int32(-1)
         red_score[lane] = best_score
         red_slot[lane] = best_slot
         red_parent[lane] = best_parent
         red_rank[lane] = best_rank
+        red_depth[lane] = best_depth
         _lanes_sync()  # every lane's candidate is in the scratch
         for other in range(lanes):  # each lane reduces the few partials itself: no second barrier
             if red_slot[other] >= 0 and (best_slot < 0 or red_score[other] > best_score or (
@@ -161,7 +165,8 @@ def make_build_kernel(stage_logprobs: bool = True, coalesce_mask: bool = True, s
                 best_slot = red_slot[other]
                 best_parent = red_parent[other]
                 best_rank = red_rank[other]
-        return best_slot, best_score, best_parent, best_rank
+                best_depth = red_depth[other]
+        return best_slot, best_score, best_parent, best_rank, best_depth
 
     @cuda.jit
     def kernel(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget, tokens, parents, depths, ranks,
@@ -184,11 +189,13 @@ def make_build_kernel(stage_logprobs: bool = True, coalesce_mask: bool = True, s
         front_score = cuda.shared.array(FRONT_SLOTS, float32)
         front_parent = cuda.shared.array(FRONT_SLOTS, int32)
         front_rank = cuda.shared.array(FRONT_SLOTS, int32)
+        front_depth = cuda.shared.array(FRONT_SLOTS, int16)
         lp_cache = cuda.shared.array(LP_CACHE, float32)
         red_score = cuda.shared.array(WARP_SIZE, float32)
         red_slot = cuda.shared.array(WARP_SIZE, int32)
         red_parent = cuda.shared.array(WARP_SIZE, int32)
         red_rank = cuda.shared.array(WARP_SIZE, int32)
+        red_depth = cuda.shared.array(WARP_SIZE, int32)
         depth_limit = draft_logprobs.shape[1]
         top_k = draft_logprobs.shape[2]
         cached = stage_logprobs and depth_limit * top_k <= LP_CACHE
@@ -208,14 +215,14 @@ def make_build_kernel(stage_logprobs: bool = True, coalesce_mask: bool = True, s
                 front_score[0] = float32(0.0) + draft_logprobs[request, 0, 0]
                 front_parent[0] = 0
                 front_rank[0] = 0
+                front_depth[0] = 1
             size = 1
         _lanes_sync()  # staged log-probs, root and first candidate visible to all lanes
 
         while size > 0 and count <= budget:
-            slot, score, parent, rank = frontier_best(lane, lanes, size, front_score, front_parent, front_rank,
-                                                      node_parent, node_depth, node_rank, red_score, red_slot,
-                                                      red_parent, red_rank)
-            depth = node_depth[parent] + 1
+            slot, score, parent, rank, depth = frontier_best(
+                lane, lanes, size, front_score, front_parent, front_rank, node_parent, node_depth, node_rank,
+                front_depth, red_score, red_slot, red_parent, red_rank, red_depth)
             node = count
             count += 1
             has_sibling = rank + 1 < top_k
@@ -245,18 +252,22 @@ def make_build_kernel(stage_logprobs: bool = True, coalesce_mask: bool = True, s
                     front_score[slot] = sibling
                     front_parent[slot] = parent
                     front_rank[slot] = rank + 1
+                    front_depth[slot] = depth
                 elif has_child:
                     front_score[slot] = child
                     front_parent[slot] = node
                     front_rank[slot] = 0
+                    front_depth[slot] = depth + 1
                 else:
                     front_score[slot] = front_score[size - 1]
                     front_parent[slot] = front_parent[size - 1]
                     front_rank[slot] = front_rank[size - 1]
+                    front_depth[slot] = front_depth[size - 1]
             if has_sibling and has_child and lane == lanes - 1:
                 front_score[size] = child
                 front_parent[size] = node
                 front_rank[size] = 0
+                front_depth[size] = depth + 1
             size += int32(has_sibling) + int32(has_child) - 1
             _lanes_sync()  # frontier and node arrays updated before the next scan reads them
         _lanes_sync()  # the last node written before the lanes read the node arrays
