@@ -25,11 +25,12 @@ MAX_WORDS = (MAX_NODES + 31) // 32
 # A candidate's depth is kept with it (int16: all shared arrays stay under 48 KB) so a pop reads its depth
 # together with its score, parent and rank instead of after them.
 FRONT_SLOTS = max(MAX_NODES, WARP_SIZE * MAX_WORDS)
-# Log-probs staged in shared memory when L*K fits (16 KB; node + frontier arrays take 28.7 KB: under the
-# 48 KB static limit), so each pop's dependent log-prob loads hit shared memory.
+# Log-probs staged in shared memory when L*K fits (16 KB; node + frontier arrays take 31 KB: 47.6 KB in all,
+# under the 48 KB static limit), so each pop's dependent log-prob loads hit shared memory.
 LP_CACHE = 4096
-# One warp per request on a GPU (the shuffles assume a full warp). The simulator has no shuffles and runs
-# every thread as a Python thread: there a block of a few "lanes" reduces through shared memory.
+# One warp per request on a GPU (the shuffles assume exactly one full warp per block). The simulator has no
+# shuffles and runs every thread as a Python thread, each barrier costing ~0.3 ms: one lane there by
+# default (no barriers); tests also launch a few lanes, which reduce through shared memory.
 BUILD_THREADS = 1 if ON_SIMULATOR else WARP_SIZE
 
 
