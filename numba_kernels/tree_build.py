@@ -200,9 +200,10 @@ def make_build_kernel(stage_logprobs: bool = True, coalesce_mask: bool = True, s
         depth_limit = draft_logprobs.shape[1]
         top_k = draft_logprobs.shape[2]
         cached = stage_logprobs and depth_limit * top_k <= LP_CACHE
-        if cached:
-            for idx in range(lane, depth_limit * top_k, lanes):
-                lp_cache[idx] = draft_logprobs[request, idx // top_k, idx % top_k]
+        if cached:  # row by row: no 64-bit division per element
+            for row in range(depth_limit):
+                for col in range(lane, top_k, lanes):
+                    lp_cache[row * top_k + col] = draft_logprobs[request, row, col]
 
         if lane == 0:
             node_parent[0] = -1
@@ -296,6 +297,8 @@ def make_build_kernel(stage_logprobs: bool = True, coalesce_mask: bool = True, s
         # Visibility: row i holds the bits of i's ancestors-or-self. A lane walks i's ancestors once, from i up
         # (indices decrease), filling the words from the last down: no per-row buffer.
         words = visibility.shape[2]
+        row_step = lanes // words
+        word_step = lanes % words
         for first_row in range(0, budget + 1, lanes):
             i = first_row + lane
             j = i if i < count else -1
@@ -312,8 +315,15 @@ def make_build_kernel(stage_logprobs: bool = True, coalesce_mask: bool = True, s
             if coalesce_mask:
                 _lanes_sync()  # the chunk's rows assembled before the lanes copy them out
                 rows = min(lanes, budget + 1 - first_row)
+                row = first_row + lane // words  # (row, word) of flat index lane + k * lanes, stepped without
+                w = lane % words                 # a 64-bit division per word
                 for flat in range(lane, rows * words, lanes):  # consecutive words in consecutive lanes
-                    visibility[request, first_row + flat // words, flat % words] = uint32(front_parent[flat])
+                    visibility[request, row, w] = uint32(front_parent[flat])
+                    row += row_step
+                    w += word_step
+                    if w >= words:
+                        w -= words
+                        row += 1
                 _lanes_sync()  # the chunk copied out before the next one overwrites it
 
     return kernel

@@ -149,16 +149,17 @@ def test_build_trees_several_lanes_bit_exact(lanes, case):
         assert got[name].tobytes() == exp[name].tobytes(), name
 
 
-@pytest.mark.parametrize("depth_limit,top_k,budget,tie_pool", [
-    (3, 1400, 40, 2),  # L*K past the shared log-prob cache: read from global memory
-    (80, 1, 70, None),  # K = 1: one chain deeper than any drafter's L
-    (15, 8, tree_build.MAX_BUDGET, 3),  # the largest budget: 33 bitmask words per row
+@pytest.mark.parametrize("depth_limit,top_k,budget,tie_pool,lanes", [
+    (3, 1400, 40, 2, 3),  # L*K past the shared log-prob cache: read from global memory
+    (80, 1, 70, None, 3),  # K = 1: one chain deeper than any drafter's L
+    (6, 5, 100, 3, 3),  # 4 bitmask words per row, more than the lanes: chunks of 3 rows cross words unevenly
+    (15, 8, tree_build.MAX_BUDGET, 3, 1),  # the largest budget: 33 bitmask words per row
 ])
-def test_build_trees_edge_shapes_bit_exact(depth_limit, top_k, budget, tie_pool):
+def test_build_trees_edge_shapes_bit_exact(depth_limit, top_k, budget, tie_pool, lanes):
     rng = np.random.default_rng(depth_limit * top_k)
     logprobs, ids = random_drafts(rng, 1, depth_limit, top_k, tie_pool)
     roots, prefix_lens = np.array([3], np.int32), np.array([9], np.int32)
-    got = run_build(logprobs, ids, roots, prefix_lens, budget)
+    got = run_build(logprobs, ids, roots, prefix_lens, budget, lanes=lanes)
     exp = expected_build(logprobs, ids, roots, prefix_lens, budget)
     for name in exp:
         assert got[name].tobytes() == exp[name].tobytes(), name
