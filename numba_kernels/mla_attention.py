@@ -36,7 +36,7 @@ from numba_kernels.warp import ON_SIMULATOR, row_blocks
 MAX_LATENT, MAX_ROPE = (32, 8) if ON_SIMULATOR else (512, 64)  # toy shapes on the simulator
 MAX_WIDTH = MAX_LATENT + MAX_ROPE
 MERGE_THREADS = 8 if ON_SIMULATOR else 128
-MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q reloads, merge) outweighs the parallelism
+MIN_KEYS_PER_SPLIT = 64  # one key tile: at s = 1 and 8 the H200 run was fastest with splits this short
 SHARED_LIMIT = 48 * 1024  # static shared memory per block
 
 
@@ -102,6 +102,36 @@ def key_visible(token, key, prefix_len, visibility):
 
 # Device helpers are inlined into the kernel (LLVM alwaysinline on a GPU; the simulator has no such option).
 INLINE_DEVICE = dict(device=True) if ON_SIMULATOR else dict(device=True, forceinline=True)
+
+
+# at(a, i) / at_put(a, i, v): a[i] of a 1-D array without Numba's negative-index wraparound (a select and
+# 64-bit arithmetic per access, which also keeps every unrolled address in its own registers); i >= 0.
+if ON_SIMULATOR:
+    def at(array, index):
+        return array[index]
+
+    def at_put(array, index, value):
+        array[index] = value
+else:
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def at(typingctx, array, index):
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+            offset = context.cast(builder, args[1], sig.args[1], types.intp)
+            return builder.load(builder.gep(data, [offset], inbounds=True))
+        return array.dtype(array, index), codegen
+
+    @intrinsic
+    def at_put(typingctx, array, index, value):
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+            offset = context.cast(builder, args[1], sig.args[1], types.intp)
+            builder.store(context.cast(builder, args[2], sig.args[2], sig.args[0].dtype),
+                          builder.gep(data, [offset], inbounds=True))
+        return types.void(array, index, value), codegen
 
 
 def static_for(count: int, body):
@@ -181,11 +211,11 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
             e = tid + T * k
             if k < Q_STEPS:
                 m = e // DK
-                stage[(e - m * DK) * Q_STRIDE + m] = pre[k]
+                at_put(stage, (e - m * DK) * Q_STRIDE + m, pre[k])
             else:
                 e -= BM * DK
                 n = e // DK
-                stage[K_OFFSET + (e - n * DK) * K_STRIDE + n] = pre[k]
+                at_put(stage, K_OFFSET + (e - n * DK) * K_STRIDE + n, pre[k])
 
     @cuda.jit(device=True, inline=True)
     def load_v(cache, latent, key0, key_end, pre):
@@ -202,7 +232,7 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
     def store_v(pre, stage):
         tid = cuda.threadIdx.x
         for k in range(V_LOADS):
-            stage[tid + T * k] = pre[k]
+            at_put(stage, tid + T * k, pre[k])
 
     @cuda.jit(device=True, inline=True)
     def online_softmax(acc_s, acc_o, p_s, stage, row_max, row_sum, row_alpha, row0, rows, heads, tile_begin,
@@ -214,7 +244,7 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
         rg, kg = tid // KG, tid % KG
         for i in range(SR):
             for j in range(SK):
-                p_s[(rg + RG * i) * P_STRIDE + kg + KG * j] = acc_s[i * SK + j]
+                at_put(p_s, (rg + RG * i) * P_STRIDE + kg + KG * j, acc_s[i * SK + j])
         cuda.syncthreads()  # raw scores stored
         m, part = tid // RQ, tid % RQ
         row = row0 + m
@@ -258,20 +288,16 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
 
     @cuda.jit(**INLINE_DEVICE)
     def store_o_row(i, args):
-        """Row i of this thread's o tile (already divided by the row sum) to out or o_part."""
-        acc_o, row0, rows, heads, latent, direct, split, out, o_part = args
+        """Row i of this thread's o tile (already divided by the row sum) to destination[first + row * c + column]
+        (flat out or o_part)."""
+        acc_o, row0, rows, latent, destination, first = args
         row = row0 + cuda.threadIdx.x // OCG + ORG * i
         if row < rows:
-            token = row // heads
-            head = row - token * heads
             ocg = cuda.threadIdx.x % OCG
+            base = first + row * latent + ocg  # flat index: no per-store index arithmetic to keep live
             for k in range(OC):
-                column = ocg + OCG * k
-                if column < latent:
-                    if direct:
-                        out[token, head, column] = acc_o[i * OC + k]
-                    else:
-                        o_part[split, token, head, column] = acc_o[i * OC + k]
+                if ocg + OCG * k < latent:
+                    at_put(destination, base + OCG * k, acc_o[i * OC + k])
 
     store_o_rows = static_for(OR, store_o_row)
 
@@ -281,7 +307,7 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
         """q_lat float32 [s, h, c]; q_pe float32 [s, h, r]; cache float32 [t, c+r] (one layer, rows < P + s
         used); visibility uint32 [s, ceil(s/32)]; scale float32. Grid (row_blocks(ceil(s*h / BM)), splits),
         T threads; grid-stride over the row tiles.
-        direct: write out [s, h, c] (one split); else o_part [splits, s, h, c] (normalised) and lse_part
+        direct: write out (flat [s*h*c]) (one split); else o_part (flat [splits*s*h*c], normalised) and lse_part
         [splits, s, h] (-inf and zeros for a split where the row sees nothing)."""
         tid = cuda.threadIdx.x
         split = cuda.blockIdx.y
@@ -340,9 +366,9 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
                     if v_step < 0:  # ---- S: scores += q chunk . k chunk
                         for dd in range(DK):
                             for i in range(SR):
-                                q_val[i] = stage[dd * Q_STRIDE + rg + RG * i]
+                                q_val[i] = at(stage, dd * Q_STRIDE + rg + RG * i)
                             for j in range(SK):
-                                k_val[j] = stage[K_OFFSET + dd * K_STRIDE + kg + KG * j]
+                                k_val[j] = at(stage, K_OFFSET + dd * K_STRIDE + kg + KG * j)
                             for i in range(SR):
                                 for j in range(SK):
                                     acc_s[i * SK + j] += q_val[i] * k_val[j]
@@ -350,9 +376,9 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
                         n0 = v_step * NK
                         for n in range(NK):
                             for i in range(OR):
-                                p_val[i] = p_s[(org + ORG * i) * P_STRIDE + n0 + n]
+                                p_val[i] = at(p_s, (org + ORG * i) * P_STRIDE + n0 + n)
                             for k in range(OC):
-                                v = stage[n * MAX_LATENT + ocg + OCG * k]
+                                v = at(stage, n * MAX_LATENT + ocg + OCG * k)
                                 for i in range(OR):
                                     acc_o[i * OC + k] += p_val[i] * v
                     cuda.syncthreads()  # all threads done with this stage before the next is stored
@@ -368,7 +394,10 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
                 inv = float32(1.0) / total if total > 0 else (float32(math.nan) if direct else float32(0.0))
                 for k in range(OC):
                     acc_o[i * OC + k] *= inv
-            store_o_rows((acc_o, row0, rows, heads, latent, direct, split, out, o_part))
+            if direct:
+                store_o_rows((acc_o, row0, rows, latent, out, 0))
+            else:
+                store_o_rows((acc_o, row0, rows, latent, o_part, split * rows * latent))
             if not direct and tid < BM and row0 + tid < rows:
                 token = (row0 + tid) // heads
                 total = row_sum[tid]
@@ -488,6 +517,8 @@ def mla_attention(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: 
         out = cuda.device_array((tokens, heads, latent), dtype=np.float32, stream=stream)
     out = as_device_array(out)
     _check_float32("out", out, (tokens, heads, latent))
+    if not out.is_c_contiguous():
+        raise ValueError("out must be C-contiguous (the kernel writes it as a flat array)")
     rows = tokens * heads
     if rows == 0 or latent == 0:
         return out
@@ -500,13 +531,13 @@ def mla_attention(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: 
     grid = (row_blocks((rows + config.rows - 1) // config.rows), splits)
     kernel, threads = attention_kernel(config), config.threads
     if splits == 1:
-        dummy = cuda.device_array((1, 1, 1, 1), dtype=np.float32, stream=stream)
+        dummy = cuda.device_array((1, 1, 1), dtype=np.float32, stream=stream)
         kernel[grid, threads, stream](q_lat, q_pe, cache_layer, prefix_len, visibility, np.float32(scale),
-                                      keys_per_split, True, out, dummy, dummy[0])
+                                      keys_per_split, True, out.reshape(-1), dummy.reshape(-1), dummy)
         return out
     o_part = cuda.device_array((splits, tokens, heads, latent), dtype=np.float32, stream=stream)
     lse_part = cuda.device_array((splits, tokens, heads), dtype=np.float32, stream=stream)
     kernel[grid, threads, stream](q_lat, q_pe, cache_layer, prefix_len, visibility, np.float32(scale),
-                                  keys_per_split, False, out, o_part, lse_part)
+                                  keys_per_split, False, out.reshape(-1), o_part.reshape(-1), lse_part)
     merge_splits_kernel[row_blocks(rows), MERGE_THREADS, stream](o_part, lse_part, splits, out)
     return out

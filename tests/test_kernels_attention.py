@@ -3,6 +3,8 @@
 Every kernel output is poisoned with NaN before the run and checked fully written; float results must
 match engine.reference to rel 1e-5, integer/bit results exactly.
 """
+import math
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -281,9 +283,11 @@ def test_default_num_splits_fills_the_sms():
     config = TileConfig(rows=64, keys=64, s_rows=4, s_keys=4, o_cols=MAX_O_COLS, threads=256)
     # 64 row tiles on 132 SMs: 2 splits fill 97% of one wave (4 would fill two waves no better)
     assert default_num_splits(64 * 64, 8256, config, sms=132) == 2
-    # AR decode: one row tile, as many splits as the keys allow (>= MIN_KEYS_PER_SPLIT each)
-    assert default_num_splits(64, 8256, config, sms=132) == 8256 // MIN_KEYS_PER_SPLIT
-    assert default_num_splits(64, 100, config, sms=132) == 1
+    # AR decode: one row tile, as many splits as the keys allow (>= MIN_KEYS_PER_SPLIT each), up to a wave
+    assert default_num_splits(64, 1025, config, sms=132) == 1025 // MIN_KEYS_PER_SPLIT
+    splits = default_num_splits(64, 8256, config, sms=132)  # 129 allowed: the fewest within 2% of 129/132
+    assert splits == math.ceil(0.98 * min(132, 8256 // MIN_KEYS_PER_SPLIT)) and splits * MIN_KEYS_PER_SPLIT <= 8256
+    assert default_num_splits(64, MIN_KEYS_PER_SPLIT + 1, config, sms=132) == 1
     # 256 row tiles already fill two waves at 97%
     assert default_num_splits(256 * 64, 8448, config, sms=132) == 1
     # two blocks per SM: twice the slots
