@@ -148,7 +148,7 @@ def test_attention_k2_split_counts(splits):
     TileConfig(rows=32, keys=64, d_chunk=32, v_chunk=8, s_rows=2, s_keys=4, blocks_per_sm=2),
     TileConfig(rows=32, keys=64, d_chunk=16, v_chunk=4, s_rows=2, s_keys=4, o_cols=8),
     TileConfig(rows=64, keys=128, d_chunk=16, v_chunk=4, s_rows=4, s_keys=4, o_cols=8, threads=512),
-], ids=["fastmath", "64x128", "32x128", "32x64"])
+], ids=["fastmath", "64x128", "32x128", "32x64", "32x64-o8x8", "64x128-t512"])
 @pytest.mark.parametrize("tokens, prefix", [(1, 8192), (64, 1000)])
 def test_attention_k2_tile_configs(config, tokens, prefix):
     out, expected = attention_case(tokens * 31 + prefix, tokens, prefix, config=config)
