@@ -21,7 +21,7 @@ Weights: fp32, or bf16 stored as uint16/int16 bit patterns, widened in the kerne
 Stacked layouts: w_gate_up [e, 2f, d] (f gate rows, then f up rows, per expert), w_down [e, d, f].
 Every launcher takes numba device arrays, __cuda_array_interface__ objects (torch tensors; bf16 ones viewed
 as int16), or numpy arrays (copied; what the simulator tests use). Launch shapes are an ExpertsConfig
-(default_config picks one by tokens per expert; kernels are built and cached per config, so a benchmark can
+(default_config picks one; kernels are built and cached per config, so a benchmark can
 sweep them).
 """
 from __future__ import annotations
@@ -71,21 +71,22 @@ class ExpertsConfig:
 
 
 # The simulator runs every thread as Python: one small warp per block, many rows per warp, one token a pass.
+# On the GPU: the fastest shape of the H200 sweep (.prof/moe_gpu.py, 19 shapes, 2026-11-29) at every token
+# count measured (s = 1, 8, 64, 256 of K2's 384 experts, top-8): 47%, 94%, 95%, 43% of the copy bandwidth.
+# Evict-first weight loads keep the activations (re-read by every warp) in the caches; more tokens a pass
+# (8, for s = 256) was slower than this shape at every s.
 DEFAULT_CONFIG = (ExpertsConfig(1, 32, 64, 1, 1) if ON_SIMULATOR else
                   ExpertsConfig(warps_per_block=8, gate_rows_per_warp=2, down_rows_per_warp=4, unroll=2,
-                                tokens_per_pass=4))
-# When the pairs outnumber the experts several times over (s = 256, k = 8, e = 384: ~5.3 tokens an expert),
-# more tokens a pass, so that an expert's weights are read once rather than twice; fewer rows per warp pay
-# for the extra accumulators.
-MANY_TOKENS_CONFIG = (DEFAULT_CONFIG if ON_SIMULATOR else
-                      ExpertsConfig(warps_per_block=8, gate_rows_per_warp=1, down_rows_per_warp=2, unroll=4,
-                                    tokens_per_pass=8))
+                                tokens_per_pass=4, streaming=True))
 TOKENS_PER_PASS = DEFAULT_CONFIG.tokens_per_pass
 
 
 def default_config(n_pairs: int, n_experts: int) -> ExpertsConfig:
-    """The launch shape for n_pairs (token, expert) pairs over n_experts experts."""
-    return MANY_TOKENS_CONFIG if n_pairs > DEFAULT_CONFIG.tokens_per_pass * n_experts else DEFAULT_CONFIG
+    """The launch shape for n_pairs (token, expert) pairs over n_experts experts (one shape won the sweep at
+    every size; the hook stays for shapes that will differ)."""
+    return DEFAULT_CONFIG
+
+
 SCRATCH_THREADS_PER_WARP = LANES if ON_SIMULATOR else 1  # warp-sum scratch: only the simulator needs it
 
 
