@@ -86,8 +86,13 @@ class TileConfig(NamedTuple):
 
 if ON_SIMULATOR:  # every simulated thread is a Python thread: tiny tiles
     DEFAULT_CONFIG = TileConfig(rows=8, keys=4, d_chunk=4, v_chunk=2, s_rows=2, s_keys=2, o_cols=8, threads=8)
-else:  # shared: stage 16.6 KB + p 16.6 KB; o tile 8 x 16 = 128 registers per thread
-    DEFAULT_CONFIG = TileConfig()
+    FEW_TOKENS_CONFIG = DEFAULT_CONFIG
+else:  # the H200 sweep's fastest (.prof/attn_gpu.py, 2026-11-29): 64 x 128 tiles on 512 threads (o 8 x 8)
+    #    from s = 16 tokens up (P=8192 s=64: 6.96 ms vs 8.23 for 64 x 64 on 256); for AR and small trees
+    #    32 x 64 tiles on 256 threads (P=1024 s=1: 0.49 ms vs 0.59; P=8192 s=1: 0.51 vs 0.67)
+    DEFAULT_CONFIG = TileConfig(rows=64, keys=128, d_chunk=16, v_chunk=4, s_rows=4, s_keys=4, o_cols=8, threads=512)
+    FEW_TOKENS_CONFIG = TileConfig(rows=32, keys=64, d_chunk=16, v_chunk=4, s_rows=2, s_keys=4, o_cols=8)
+FEW_TOKENS = 16  # below this many query tokens, FEW_TOKENS_CONFIG
 ROW_TILE = DEFAULT_CONFIG.rows
 
 
@@ -474,19 +479,22 @@ def _check_float32(name, array, shape):
 
 
 def mla_attention(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: float, out=None,
-                  num_splits: int | None = None, stream=0, config: TileConfig = DEFAULT_CONFIG):
+                  num_splits: int | None = None, stream=0, config: TileConfig | None = None):
     """o_lat float32 [s, h, c] (device) of the absorbed MLA core.
 
     q_lat float32 [s, h, c] (q_nope @ W_UK); q_pe float32 [s, h, r] (roped; strided views are fine);
     cache_layer float32 [t, c+r] (rows [normed latent | roped k_pe]; the s in-flight rows at P..P+s-1);
     prefix_len P; visibility uint32 [s, ceil(s/32)] (pack_visibility / causal_visibility); scale: softmax
-    scale. num_splits: key-range splits (None: default_num_splits); config: tile sizes. A numpy mask is checked for queries
+    scale. num_splits: key-range splits (None: default_num_splits); config: tile sizes (None: DEFAULT_CONFIG, or
+    FEW_TOKENS_CONFIG below FEW_TOKENS query tokens). A numpy mask is checked for queries
     that see no row; on the device such a query's output is NaN.
     """
     q_lat, q_pe, cache_layer = as_device_array(q_lat), as_device_array(q_pe), as_device_array(cache_layer)
     if len(q_lat.shape) != 3:
         raise ValueError(f"q_lat must be float32 [s, h, c], got shape {list(q_lat.shape)}")
     tokens, heads, latent = q_lat.shape
+    if config is None:
+        config = FEW_TOKENS_CONFIG if tokens < FEW_TOKENS else DEFAULT_CONFIG
     _check_float32("q_lat", q_lat, q_lat.shape)
     if len(q_pe.shape) != 3 or tuple(q_pe.shape[:2]) != (tokens, heads):
         raise ValueError(f"q_pe must be float32 [{tokens}, {heads}, r], got shape {list(q_pe.shape)}")
