@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import ddtree_ref, sampling_ref
-from .records import ar_step_record, ddtree_step_record
+from .records import ar_step_record, ddtree_step_record, target_topk
 
 STAGES = ("draft", "build", "verify", "accept", "compact")
 MODES = ("ar", "ddtree")
@@ -151,16 +151,32 @@ def generate(model, prompt_ids, max_new_tokens: int, mode: str = "ar", drafter=N
     taus: list[int] = []
     stage_times = dict.fromkeys(STAGES, 0.0)
     step_fn = _ar_step if mode == "ar" else _ddtree_step
-    while len(tokens) < max_new_tokens:
-        committed, times, record = step_fn(model, cache, ops, prompt, tokens, drafter=drafter, budget=budget,
-                                           temperature=temperature, seed=seed, golden=golden,
-                                           want_record=(on_step is not None) and ("logits" if record_logits else True))
-        tokens.extend(committed)
-        taus.append(len(committed))
-        for stage in STAGES:
-            stage_times[stage] += times[stage]
-        if on_step is not None:
-            on_step(record)
+    # A step's record is finished and handed to on_step (the trace writer) while the next step's forward runs
+    # on the GPU: the forward is queued, the host writes, then waits for the GPU. Only the host work that needs
+    # the device (the top-k of the logits) is done before the step ends; a golden comparison reads full logits
+    # and cache rows, so with a golden run records are emitted at once.
+    pending = []
+
+    def emit_pending():
+        while pending:
+            on_step(pending.pop()())
+
+    want_record = (on_step is not None) and ("logits" if record_logits else True)
+    try:
+        while len(tokens) < max_new_tokens:
+            committed, times, record = step_fn(model, cache, ops, prompt, tokens, drafter=drafter, budget=budget,
+                                               temperature=temperature, seed=seed, golden=golden,
+                                               want_record=want_record, after_forward=emit_pending)
+            tokens.extend(committed)
+            taus.append(len(committed))
+            for stage in STAGES:
+                stage_times[stage] += times[stage]
+            if record is not None:
+                pending.append(record)
+                if golden is not None or record_logits:
+                    emit_pending()
+    finally:  # the last step's record (also when a later step failed)
+        emit_pending()
     output = np.asarray(tokens[:max_new_tokens], dtype=np.int64)  # the last step may overshoot: truncate
     golden_match = None
     if golden is not None:
@@ -191,27 +207,37 @@ class _Clock:
         self.times[self._stage] += time.perf_counter() - self._start
 
 
-def _ar_step(model, cache, ops, prompt, tokens, *, temperature, seed, golden, want_record, **_):
-    """Feed the last token (position P), commit it, choose the token at P+1. Returns ([token], times, record)."""
+def _ar_step(model, cache, ops, prompt, tokens, *, temperature, seed, golden, want_record, after_forward, **_):
+    """Feed the last token (position P), commit it, choose the token at P+1. Returns ([token], times, record),
+    record: None or a function building the step record. ``after_forward`` runs once the forward is queued."""
     clock = _Clock()
     prefix_len = cache.length
     root = tokens[-1]
     with clock("verify"):
         logits = model.forward(cache, np.array([root], dtype=np.int64), np.array([prefix_len], dtype=np.int64))
+        after_forward()
     with clock("accept"):
         choice = ops.choose_tokens(logits, temperature, seed, np.array([prefix_len + 1]))
     with clock("compact"):
         model.commit(cache, 1)
     record = None
     if want_record:
-        record = ar_step_record(prefix_len, root, logits, choice, clock.times, cache, prompt, golden)
-        if want_record == "logits":
-            record["logits"] = np.asarray(logits, dtype=np.float32)
+        topk, length = target_topk(logits), cache.length  # device reads now; the rest when emitted
+        full = np.asarray(logits, dtype=np.float32) if want_record == "logits" else None
+
+        def record():
+            built = ar_step_record(prefix_len, root, logits, choice, clock.times, cache, prompt, golden, topk,
+                                   length)
+            if full is not None:
+                built["logits"] = full
+            return built
     return [int(choice[0])], clock.times, record
 
 
-def _ddtree_step(model, cache, ops, prompt, tokens, *, drafter, budget, temperature, seed, golden, want_record):
-    """One draft -> build -> verify -> accept -> compact step. Returns (committed tokens [tau], times, record)."""
+def _ddtree_step(model, cache, ops, prompt, tokens, *, drafter, budget, temperature, seed, golden, want_record,
+                 after_forward):
+    """One draft -> build -> verify -> accept -> compact step. Returns (committed tokens [tau], times, record),
+    record: None or a function building the step record. ``after_forward`` runs once the verify is queued."""
     cfg = model.cfg
     clock = _Clock()
     prefix_len = cache.length
@@ -226,6 +252,7 @@ def _ddtree_step(model, cache, ops, prompt, tokens, *, drafter, budget, temperat
         tree = ops.build_tree(draft_logprobs[:depth_limit], draft_ids[:depth_limit], root, node_budget, prefix_len)
     with clock("verify"):
         logits = model.forward(cache, tree.tokens, tree.positions, tree.visibility)
+        after_forward()
         # node i's choice is the token at position P + depth_i + 1
         choice = ops.choose_tokens(logits, temperature, seed, tree.positions + 1)
     with clock("accept"):
@@ -236,8 +263,14 @@ def _ddtree_step(model, cache, ops, prompt, tokens, *, drafter, budget, temperat
     committed = [int(t) for t in tree.tokens[accepted[1:]]] + [int(bonus)]
     record = None
     if want_record:
-        record = ddtree_step_record(prefix_len, root, draft_ids, draft_logprobs, tree, logits, choice, accepted,
-                                    bonus, committed, cache_len_verify, clock.times, cache, prompt, golden)
-        if want_record == "logits":
-            record["logits"] = np.asarray(logits, dtype=np.float32)[accepted]
+        topk, length = target_topk(logits), cache.length  # device reads now; the rest when emitted
+        full = np.asarray(logits, dtype=np.float32)[accepted] if want_record == "logits" else None
+
+        def record():
+            built = ddtree_step_record(prefix_len, root, draft_ids, draft_logprobs, tree, logits, choice, accepted,
+                                       bonus, committed, cache_len_verify, clock.times, cache, prompt, golden, topk,
+                                       length)
+            if full is not None:
+                built["logits"] = full
+            return built
     return committed, clock.times, record

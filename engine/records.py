@@ -63,11 +63,13 @@ def target_topk(logits: np.ndarray, k: int = TARGET_TOPK):
 
 
 def ddtree_step_record(prefix_len, root, draft_ids, draft_logprobs, tree, logits, choice, accepted, bonus,
-                       committed, cache_len_verify, times, cache, prompt, golden) -> dict:
-    """The record of one DDTree step (fields and meanings: docs/architecture.md)."""
+                       committed, cache_len_verify, times, cache, prompt, golden, topk=None,
+                       cache_len_after=None) -> dict:
+    """The record of one DDTree step (fields and meanings: docs/architecture.md). ``topk``: target_topk(logits)
+    when already taken; ``cache_len_after``: the cache length after the step (default: cache.length now)."""
     accepted = np.asarray(accepted, dtype=np.int32)
     tau = len(accepted)
-    topk_ids, topk_logits, margin = target_topk(logits)
+    topk_ids, topk_logits, margin = target_topk(logits) if topk is None else topk
     # The accepted nodes' logits chose the committed tokens, at positions P+1 .. P+tau.
     # Only a golden comparison needs the accepted rows' full logits (tau x V floats from the device).
     accepted_logits = (None if golden is None else
@@ -95,7 +97,7 @@ def ddtree_step_record(prefix_len, root, draft_ids, draft_logprobs, tree, logits
         "logit_max_abs_diff": logit_diff,
         "cache_len_before": int(prefix_len),
         "cache_len_verify": int(cache_len_verify),
-        "cache_len_after": int(cache.length),
+        "cache_len_after": int(cache.length if cache_len_after is None else cache_len_after),
         "compact_src": (prefix_len + accepted).astype(np.int32),
         "compact_dst": (prefix_len + np.arange(tau)).astype(np.int32),
         "cache_max_abs_diff": np.float32(np.nan if golden is None else
@@ -116,13 +118,14 @@ class _OneNodeTree:
         self.scores = np.zeros(1, dtype=np.float32)
 
 
-def ar_step_record(prefix_len, root, logits, choice, times, cache, prompt, golden) -> dict:
+def ar_step_record(prefix_len, root, logits, choice, times, cache, prompt, golden, topk=None,
+                   cache_len_after=None) -> dict:
     """The record of one AR step: a one-node tree, tau 1, the chosen token as the bonus; no draft fields (L = 0,
     and the trace holds no draft fields when L*K == 0)."""
     bonus = int(np.asarray(choice)[0])
     empty = np.zeros((0, 0))
     record = ddtree_step_record(prefix_len, root, empty.astype(np.int32), empty.astype(np.float32),
                                 _OneNodeTree(root), logits, choice, [0], bonus, [bonus], prefix_len + 1, times,
-                                cache, prompt, golden)
+                                cache, prompt, golden, topk, cache_len_after)
     del record["draft_ids"], record["draft_logprobs"]
     return record

@@ -310,3 +310,55 @@ def test_records_fit_the_trace_writer(tmp_path, mode):
         last = trace.step(trace.num_steps - 1)
         np.testing.assert_array_equal(last.accepted_nodes, records[-1]["accepted_nodes"])
         np.testing.assert_array_equal(last.committed_tokens, records[-1]["committed_tokens"])
+
+
+class _EventModel:
+    """The reference model, logging each forward into ``events``."""
+
+    def __init__(self, model, events):
+        self.model, self.events, self.cfg = model, events, model.cfg
+
+    def new_cache(self, capacity):
+        return self.model.new_cache(capacity)
+
+    def forward(self, cache, tokens, positions, visibility=None):
+        self.events.append(("forward", int(cache.length)))
+        return self.model.forward(cache, tokens, positions, visibility)
+
+    def commit(self, cache, s):
+        self.model.commit(cache, s)
+
+    def compact(self, cache, accepted):
+        self.model.compact(cache, accepted)
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_records_are_emitted_while_the_next_step_computes(setup, mode):
+    """Without a golden run, step n's record reaches on_step after step n+1's forward was queued (overlap),
+    the last one after the loop; every record arrives once, in order, equal to records emitted at once."""
+    model, golden, sequence = setup
+    events = []
+    kwargs = dict(mode=mode)
+    if mode == "ddtree":
+        kwargs.update(drafter=NoisyOracleDrafter(sequence, 0.5, 1, 3, 4, model.cfg.vocab_size),
+                      block_size=4, budget=4)
+    late = []
+    result = generate(_EventModel(model, events), PROMPT, 12, **kwargs,
+                      on_step=lambda r: (events.append(("record", r["prefix_len"])), late.append(r)))
+    forwards = [length for kind, length in events if kind == "forward"]
+    records = [length for kind, length in events if kind == "record"]
+    assert records == forwards[1:]  # one record per step (the prefill has none), in order
+    for i, (kind, length) in enumerate(events[:-1]):
+        if kind == "record":  # the forward just before it is the next step's
+            previous_forward = max(j for j in range(i) if events[j][0] == "forward")
+            assert events[previous_forward][1] > length
+    assert events[-1][0] == "record"
+    if mode == "ddtree":
+        kwargs["drafter"] = NoisyOracleDrafter(sequence, 0.5, 1, 3, 4, model.cfg.vocab_size)
+    at_once = []
+    generate(model, PROMPT, 12, **kwargs, on_step=at_once.append, record_logits=True)  # emitted at once
+    assert len(at_once) == len(late) == result.steps
+    for mine, theirs in zip(late, at_once):
+        for key in mine:
+            if not key.startswith("time_"):
+                np.testing.assert_array_equal(mine[key], theirs[key], err_msg=key)

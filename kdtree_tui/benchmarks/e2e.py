@@ -128,11 +128,11 @@ class ExpertCounter:
         self._moe, self._forward = model._moe, model.forward
         options = moe_router.router_options(model.cfg)
 
-        def moe(layer, x):
+        def moe(layer, x, stream=0):
             ids, _ = moe_router.route_experts(model.ops.linear(x, layer["router"]), layer["router_bias"], **options)
             ids = ids.copy_to_host() if hasattr(ids, "copy_to_host") else np.asarray(ids)
             self._layers.append(len(np.unique(ids)))
-            return self._moe(layer, x)
+            return self._moe(layer, x, stream)
 
         def forward(cache, tokens, positions, visibility=None):
             self._layers = []
@@ -142,9 +142,13 @@ class ExpertCounter:
             return logits
 
         model._moe, model.forward = moe, forward
+        # Counting reads the routing back to the host inside the layer stack: the forward runs eagerly meanwhile
+        # (a captured graph would not call _moe at all).
+        self._use_graphs, model.use_graphs = model.use_graphs, False
 
     def remove(self) -> None:
         del self.model._moe, self.model.forward  # back to the class's methods
+        self.model.use_graphs = self._use_graphs
 
 
 def step_bytes(cfg: ModelConfig, tokens: int, prefix_len: int, distinct_per_layer: list[int]) -> float:
