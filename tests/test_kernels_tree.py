@@ -76,13 +76,14 @@ def test_block_reductions_every_thread_gets_the_result(width):
 def run_build(logprobs, ids, roots, prefix_lens, budget, kernel=None, lanes=None):
     """Launch the build kernel (default build_trees_kernel, BUILD_THREADS lanes) on poisoned outputs."""
     batch, nodes = logprobs.shape[0], budget + 1
-    outs = dict(tokens=poisoned((batch, nodes), np.int32), parents=poisoned((batch, nodes), np.int32),
-                depths=poisoned((batch, nodes), np.int32), ranks=poisoned((batch, nodes), np.int32),
-                scores=poisoned((batch, nodes), np.float32), positions=poisoned((batch, nodes), np.int32),
-                num_nodes=poisoned(batch, np.int32), visibility=poisoned((batch, nodes, (nodes + 31) // 32), np.uint32))
+    out = tree_build.TreeBatch(packed=poisoned((len(tree_build.OUTPUT_ROWS), batch, nodes), np.int32),
+                               num_nodes=poisoned(batch, np.int32),
+                               visibility=poisoned((batch, nodes, (nodes + 31) // 32), np.uint32))
+    out.scores.copy_to_device(np.full((batch, nodes), np.nan, np.float32))  # NaN bits, not -7
     kernel = kernel or tree_build.build_trees_kernel
-    kernel[batch, lanes or tree_build.BUILD_THREADS](logprobs, ids, roots, prefix_lens, budget, *outs.values())
-    return {name: array.copy_to_host() for name, array in outs.items()}
+    kernel[batch, lanes or tree_build.BUILD_THREADS](logprobs, ids, roots, prefix_lens, budget, out.packed,
+                                                     out.num_nodes, out.visibility)
+    return out.to_host()
 
 
 def expected_build(logprobs, ids, roots, prefix_lens, budget):
@@ -138,7 +139,7 @@ def test_build_trees_several_lanes_bit_exact(lanes, case):
     depth_limit = int(rng.integers(2, 10))
     top_k = int(rng.integers(2, 7))
     budget = int(rng.integers(20, 45))
-    variant = [dict(), dict(coalesce_mask=False), dict(stage_logprobs=False, scan_unroll=1),
+    variant = [dict(), dict(scan_unroll=8), dict(stage_logprobs=False, scan_unroll=1),
                dict(scan_unroll=2)][case]
     logprobs, ids = random_drafts(rng, batch, depth_limit, top_k, [None, 2, 3, 2][case])
     roots = rng.integers(0, 1000, size=batch).astype(np.int32)
@@ -150,7 +151,7 @@ def test_build_trees_several_lanes_bit_exact(lanes, case):
 
 
 @pytest.mark.parametrize("depth_limit,top_k,budget,tie_pool,lanes", [
-    (3, 1400, 40, 2, 3),  # L*K past the shared log-prob cache: read from global memory
+    (3, 2000, 40, 2, 3),  # L*K past the shared log-prob cache: each row's first columns staged
     (80, 1, 70, None, 3),  # K = 1: one chain deeper than any drafter's L
     (6, 5, 100, 3, 3),  # 4 bitmask words per row, more than the lanes: chunks of 3 rows cross words unevenly
     (15, 8, tree_build.MAX_BUDGET, 3, 1),  # the largest budget: 33 bitmask words per row
@@ -161,6 +162,23 @@ def test_build_trees_edge_shapes_bit_exact(depth_limit, top_k, budget, tie_pool,
     roots, prefix_lens = np.array([3], np.int32), np.array([9], np.int32)
     got = run_build(logprobs, ids, roots, prefix_lens, budget, lanes=lanes)
     exp = expected_build(logprobs, ids, roots, prefix_lens, budget)
+    for name in exp:
+        assert got[name].tobytes() == exp[name].tobytes(), name
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_build_trees_ranks_past_the_staged_columns(lanes):
+    """L so deep that 2 columns per row are staged: log-probs -1 - r/100 pop siblings of every rank first, so
+    ranks 2.. are read from global memory."""
+    _, cache_floats = tree_build.shared_layout(4)
+    depth_limit, top_k = cache_floats // 3 + 1, 8
+    logprobs = np.broadcast_to(np.float32(-1.0) - np.arange(top_k, dtype=np.float32) / np.float32(100.0),
+                               (1, depth_limit, top_k)).astype(np.float32)
+    ids = np.random.default_rng(3).integers(0, 1000, size=(1, depth_limit, top_k)).astype(np.int32)
+    roots, prefix_lens = np.array([3], np.int32), np.array([9], np.int32)
+    got = run_build(logprobs, ids, roots, prefix_lens, 40, lanes=lanes)
+    exp = expected_build(logprobs, ids, roots, prefix_lens, 40)
+    assert exp["ranks"].max() == top_k - 1
     for name in exp:
         assert got[name].tobytes() == exp[name].tobytes(), name
 

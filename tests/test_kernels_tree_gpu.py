@@ -32,8 +32,8 @@ def test_build_trees_realistic_bit_exact(budget, tie_pool):
         assert got[name].tobytes() == exp[name].tobytes(), name
 
 
-VARIANTS = [dict(), dict(ballot_reduce=True), dict(coalesce_mask=False), dict(stage_logprobs=False),
-            dict(scan_unroll=1), dict(scan_unroll=8)]
+VARIANTS = [dict(), dict(redux=False), dict(stage_logprobs=False), dict(scan_unroll=1), dict(scan_unroll=2),
+            dict(scan_unroll=8)]
 
 
 @pytest.mark.parametrize("budget,tied", [(1024, False), (1024, True), (256, False), (256, True), (33, True)])
