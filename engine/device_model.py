@@ -165,7 +165,7 @@ class DeviceLogits:
             found = self._topk[1:]
         else:
             found = sampling.topk_rows(self.device, width)
-        ids, values, margins = (self._to_host(a) for a in found)
+        ids, values, margins = (a if isinstance(a, np.ndarray) else self._to_host(a) for a in found)
         if width < k:
             ids = np.concatenate([ids, np.full((s, k - width), -1, np.int32)], axis=1)
             values = np.concatenate([values, np.full((s, k - width), np.nan, np.float32)], axis=1)
@@ -416,9 +416,10 @@ class DeviceTreeOps:
         if temperature == 0 and kept is not None and logits.shape[1] >= TARGET_TOPK:
             # Greedy choice = the first of the top-k (same tie rule); the step record then reuses the top-k
             # instead of another pass over the vocabulary.
-            top = sampling.topk_rows(logits, TARGET_TOPK)
-            kept._topk = (TARGET_TOPK,) + tuple(top)
-            ids = top[0].copy_to_host()[:, 0]
+            top_ids, top_values, margins = sampling.topk_rows(logits, TARGET_TOPK)
+            host_ids = top_ids.copy_to_host()
+            kept._topk = (TARGET_TOPK, host_ids, top_values, margins)  # ids already here: one copy fewer
+            ids = host_ids[:, 0]
         elif temperature == 0:
             ids = sampling.argmax_rows(logits)
         else:
