@@ -550,6 +550,8 @@ def build_trees(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget: int
         out = TreeBatch.allocate(batch, budget)
     elif not out.fits(batch, budget):
         raise ValueError(f"out holds trees of shape {tuple(out.tokens.shape)}, need ({batch}, {budget + 1})")
+    if isinstance(draft_logprobs, np.ndarray):  # a fresh copy: numpy calls x[None] contiguous, Numba does not
+        draft_logprobs = np.array(draft_logprobs, dtype=np.float32, order="C")  # (its new axis has stride 0)
     draft_logprobs = to_device(draft_logprobs)
     if not draft_logprobs.is_c_contiguous():  # the kernel indexes its flat data
         raise ValueError("draft_logprobs must be C-contiguous")
