@@ -433,14 +433,13 @@ class DeviceTreeOps:
         batch = tree_build.build_trees(np.ascontiguousarray(draft_logprobs[None], dtype=np.float32),
                                        np.ascontiguousarray(draft_ids[None], dtype=np.int32),
                                        np.array([root_token], np.int32), np.array([prefix_len], np.int32), budget)
-        host = lambda a: (a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a))[0]  # noqa: E731
-        count = int(host(batch.num_nodes))
-        bits = host(batch.visibility)[:count]  # [N+1, W] uint32, bit j of row i: j is an ancestor-or-self of i
+        built = {name: values[0] for name, values in batch.to_host().items()}  # three device reads in all
+        count = int(built["num_nodes"])
+        bits = built["visibility"][:count]  # [N+1, W] uint32, bit j of row i: j is an ancestor-or-self of i
         visibility = ((bits[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1).reshape(count, -1)[:, :count]
-        return ddtree_ref.Tree(tokens=host(batch.tokens)[:count].astype(np.int64),
-                               parents=host(batch.parents)[:count], depths=host(batch.depths)[:count],
-                               ranks=host(batch.ranks)[:count], scores=host(batch.scores)[:count],
-                               positions=host(batch.positions)[:count].astype(np.int64),
+        return ddtree_ref.Tree(tokens=built["tokens"][:count].astype(np.int64), parents=built["parents"][:count],
+                               depths=built["depths"][:count], ranks=built["ranks"][:count],
+                               scores=built["scores"][:count], positions=built["positions"][:count].astype(np.int64),
                                visibility=visibility.astype(bool))
 
     @staticmethod
