@@ -31,6 +31,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from numba_kernels.rmsnorm import as_device_array, is_device_array
+from numba_kernels.flat_access import at, at_put
 from numba_kernels.warp import ON_SIMULATOR, row_blocks
 
 MAX_LATENT, MAX_ROPE = (32, 8) if ON_SIMULATOR else (512, 64)  # toy shapes on the simulator
@@ -107,36 +108,6 @@ def key_visible(token, key, prefix_len, visibility):
 
 # Device helpers are inlined into the kernel (LLVM alwaysinline on a GPU; the simulator has no such option).
 INLINE_DEVICE = dict(device=True) if ON_SIMULATOR else dict(device=True, forceinline=True)
-
-
-# at(a, i) / at_put(a, i, v): a[i] of a 1-D array without Numba's negative-index wraparound (a select and
-# 64-bit arithmetic per access, which also keeps every unrolled address in its own registers); i >= 0.
-if ON_SIMULATOR:
-    def at(array, index):
-        return array[index]
-
-    def at_put(array, index, value):
-        array[index] = value
-else:
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def at(typingctx, array, index):
-        def codegen(context, builder, sig, args):
-            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-            offset = context.cast(builder, args[1], sig.args[1], types.intp)
-            return builder.load(builder.gep(data, [offset], inbounds=True))
-        return array.dtype(array, index), codegen
-
-    @intrinsic
-    def at_put(typingctx, array, index, value):
-        def codegen(context, builder, sig, args):
-            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-            offset = context.cast(builder, args[1], sig.args[1], types.intp)
-            builder.store(context.cast(builder, args[2], sig.args[2], sig.args[0].dtype),
-                          builder.gep(data, [offset], inbounds=True))
-        return types.void(array, index, value), codegen
 
 
 def static_for(count: int, body):

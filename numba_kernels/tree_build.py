@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
+from numba_kernels.flat_access import at, at_put
 from numba_kernels.warp import FULL_MASK, ON_SIMULATOR, USE_SHUFFLE, WARP_SIZE, to_device
 
 MAX_BUDGET = 1024
@@ -39,17 +40,9 @@ TOKENS, PARENTS, DEPTHS, RANKS, SCORES, POSITIONS = range(6)
 # default (no barriers); tests also launch a few lanes, which reduce through shared memory.
 BUILD_THREADS = 1 if ON_SIMULATOR else WARP_SIZE
 
-# at(a, i) / at_put(a, i, v): element i (>= 0) of a C-contiguous array's flat data, without Numba's
-# negative-index wraparound (a select and 64-bit arithmetic per access). float_key(x) / key_float(k): the
-# int32 key of a float32 (same order as the floats, -0.0 aside: scores are never -0.0) and back.
-# warp_max(v): int32 max over the full warp (redux.sync, sm_80+).
+# float_key(x) / key_float(k): the int32 key of a float32 (same order as the floats, -0.0 aside: scores are
+# never -0.0) and back. warp_max(v): int32 max over the full warp (redux.sync, sm_80+).
 if ON_SIMULATOR:
-    def at(array, index):
-        return (array if array.ndim == 1 else array.reshape(-1))[index]
-
-    def at_put(array, index, value):
-        (array if array.ndim == 1 else array.reshape(-1))[index] = value
-
     def float_key(value):
         bits = int(np.float32(value).view(np.int32))
         return np.int32(bits ^ 0x7FFFFFFF if bits < 0 else bits)
@@ -64,23 +57,6 @@ else:
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def at(typingctx, array, index):
-        def codegen(context, builder, sig, args):
-            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-            offset = context.cast(builder, args[1], sig.args[1], types.intp)
-            return builder.load(builder.gep(data, [offset], inbounds=True))
-        return array.dtype(array, index), codegen
-
-    @intrinsic
-    def at_put(typingctx, array, index, value):
-        def codegen(context, builder, sig, args):
-            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-            offset = context.cast(builder, args[1], sig.args[1], types.intp)
-            builder.store(context.cast(builder, args[2], sig.args[2], sig.args[0].dtype),
-                          builder.gep(data, [offset], inbounds=True))
-        return types.void(array, index, value), codegen
 
     @intrinsic
     def _bits(typingctx, value):
