@@ -87,6 +87,27 @@ def sample_rows_kernel(logits, temperature, seed, positions, ids):
             ids[row] = best_id
 
 
+@cuda.jit(device=True)
+def _keep_best(logits, row, first, stop, rounds, mine, mine_ids):
+    """This thread's best ``rounds`` entries of logits[row, first:stop:blockDim.x], sorted (value descending,
+    ties -> lower id) into mine / mine_ids (local arrays); returns how many it holds (<= rounds)."""
+    held = 0
+    for v in range(first, stop, cuda.blockDim.x):
+        value = logits[row, v]
+        if held == rounds and not value > mine[rounds - 1]:
+            continue  # not better than the worst kept (equal loses: this thread's ids increase)
+        slot = held if held < rounds else rounds - 1
+        while slot > 0 and value > mine[slot - 1]:  # insertion: strictly better moves up
+            mine[slot] = mine[slot - 1]
+            mine_ids[slot] = mine_ids[slot - 1]
+            slot -= 1
+        mine[slot] = value
+        mine_ids[slot] = v
+        if held < rounds:
+            held += 1
+    return held
+
+
 @cuda.jit
 def topk_rows_kernel(logits, top_ids, top_values, margins):
     """logits float32 [s, V] -> top_ids int32 [s, k], top_values float32 [s, k] (ties -> lower id),
@@ -102,20 +123,7 @@ def topk_rows_kernel(logits, top_ids, top_values, margins):
     mine = cuda.local.array(MAX_TOPK, float32)
     mine_ids = cuda.local.array(MAX_TOPK, int32)
     for row in range(cuda.blockIdx.x, logits.shape[0], cuda.gridDim.x):  # block-uniform: block_argmax syncs
-        held = 0
-        for v in range(tid, logits.shape[1], cuda.blockDim.x):
-            value = logits[row, v]
-            if held == rounds and not value > mine[rounds - 1]:
-                continue  # not better than the worst kept (equal loses: its id is higher)
-            slot = held if held < rounds else rounds - 1
-            while slot > 0 and value > mine[slot - 1]:  # insertion: strictly better moves up
-                mine[slot] = mine[slot - 1]
-                mine_ids[slot] = mine_ids[slot - 1]
-                slot -= 1
-            mine[slot] = value
-            mine_ids[slot] = v
-            if held < rounds:
-                held += 1
+        held = _keep_best(logits, row, tid, logits.shape[1], rounds, mine, mine_ids)
         head = 0
         first = float32(0.0)
         for r in range(rounds):
@@ -154,20 +162,7 @@ def chunk_candidates_kernel(logits, chunk, cand_ids, cand_values):
     start = c * chunk
     stop = min(start + chunk, logits.shape[1])
     for row in range(cuda.blockIdx.y, logits.shape[0], cuda.gridDim.y):  # block-uniform: block_argmax syncs
-        held = 0
-        for v in range(start + tid, stop, cuda.blockDim.x):
-            value = logits[row, v]
-            if held == rounds and not value > mine[rounds - 1]:
-                continue  # this thread's ids increase: an equal value loses
-            slot = held if held < rounds else rounds - 1
-            while slot > 0 and value > mine[slot - 1]:
-                mine[slot] = mine[slot - 1]
-                mine_ids[slot] = mine_ids[slot - 1]
-                slot -= 1
-            mine[slot] = value
-            mine_ids[slot] = v
-            if held < rounds:
-                held += 1
+        held = _keep_best(logits, row, start + tid, stop, rounds, mine, mine_ids)
         head = 0
         for r in range(rounds):
             value = mine[head] if head < held else float32(-math.inf)
