@@ -215,7 +215,7 @@ def _ar_step(model, cache, ops, prompt, tokens, *, temperature, seed, golden, wa
     root = tokens[-1]
     with clock("verify"):
         logits = model.forward(cache, np.array([root], dtype=np.int64), np.array([prefix_len], dtype=np.int64))
-        after_forward()
+    after_forward()  # outside the stage clocks: the step's timings stay its own
     with clock("accept"):
         choice = ops.choose_tokens(logits, temperature, seed, np.array([prefix_len + 1]))
     with clock("compact"):
@@ -252,7 +252,8 @@ def _ddtree_step(model, cache, ops, prompt, tokens, *, drafter, budget, temperat
         tree = ops.build_tree(draft_logprobs[:depth_limit], draft_ids[:depth_limit], root, node_budget, prefix_len)
     with clock("verify"):
         logits = model.forward(cache, tree.tokens, tree.positions, tree.visibility)
-        after_forward()
+    after_forward()  # outside the stage clocks: the step's timings stay its own
+    with clock("verify"):
         # node i's choice is the token at position P + depth_i + 1
         choice = ops.choose_tokens(logits, temperature, seed, tree.positions + 1)
     with clock("accept"):
