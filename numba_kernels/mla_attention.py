@@ -88,7 +88,7 @@ class TileConfig(NamedTuple):
 if ON_SIMULATOR:  # every simulated thread is a Python thread: tiny tiles
     DEFAULT_CONFIG = TileConfig(rows=8, keys=4, d_chunk=4, v_chunk=2, s_rows=2, s_keys=2, o_cols=8, threads=8)
     FEW_TOKENS_CONFIG = DEFAULT_CONFIG
-else:  # the H200 sweep's fastest (.prof/attn_gpu.py, 2026-11-29): 64 x 128 tiles on 512 threads (o 8 x 8)
+else:  # the H200 sweep's fastest (tools/sweeps/attention.py, 2026-11-29): 64 x 128 tiles on 512 threads (o 8 x 8)
     #    from s = 16 tokens up (P=8192 s=64: 6.96 ms vs 8.23 for 64 x 64 on 256); for AR and small trees
     #    32 x 64 tiles on 256 threads (P=1024 s=1: 0.49 ms vs 0.59; P=8192 s=1: 0.51 vs 0.67)
     DEFAULT_CONFIG = TileConfig(rows=64, keys=128, d_chunk=16, v_chunk=4, s_rows=4, s_keys=4, o_cols=8, threads=512)

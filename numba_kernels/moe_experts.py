@@ -71,7 +71,7 @@ class ExpertsConfig:
 
 
 # The simulator runs every thread as Python: one small warp per block, many rows per warp, one token a pass.
-# On the GPU: the fastest shape of the H200 sweep (.prof/moe_gpu.py, 19 shapes, 2026-11-29) at every token
+# On the GPU: the fastest shape of the H200 sweep (tools/sweeps/moe.py, 19 shapes, 2026-11-29) at every token
 # count measured (s = 1, 8, 64, 256 of K2's 384 experts, top-8): 47%, 94%, 95%, 43% of the copy bandwidth.
 # Evict-first weight loads keep the activations (re-read by every warp) in the caches; more tokens a pass
 # (8, for s = 256) was slower than this shape at every s.
