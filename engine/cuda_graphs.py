@@ -74,7 +74,7 @@ class SegmentGraphs:
     it must live as long as the graphs."""
 
     def __init__(self, torch, run_segment, num_segments: int, state: dict):
-        self.torch, self.state = torch, state
+        self.state = state
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs = []
         torch.cuda.synchronize()

@@ -158,8 +158,8 @@ def generate(model, prompt_ids, max_new_tokens: int, mode: str = "ar", drafter=N
     pending = []
 
     def emit_pending():
-        while pending:
-            on_step(pending.pop()())
+        while pending:  # in step order (at most one waits in practice)
+            on_step(pending.pop(0)())
 
     want_record = (on_step is not None) and ("logits" if record_logits else True)
     try:
