@@ -1,0 +1,187 @@
+"""Absorbed MLA attention for many query rows on the tensor cores (3xTF32: fp32-level accuracy).
+
+Same math and arguments as numba_kernels.mla_attention.mla_attention (see there): rows ρ = i*h + head of the
+s*h query-head pairs share one key/value row per cached token, so attention is two GEMMs around a masked
+softmax, run as four launches like torch's matmul / softmax / matmul:
+  1. q_cat [R, c+r] = [q_lat | q_pe] (R = s*h rows; a copy, so the GEMM reads one K-contiguous operand);
+  2. scores [R, t] = scale * q_cat @ cache[:t]^T                     (3xTF32 GEMM, "NT": numba_kernels.mma);
+  3. masked softmax of each row in place -> probabilities (key row t < P visible to all; in-flight row P + j
+     to query i iff bit j of visibility[i]; a query that sees no key gets a NaN row, hence NaN output);
+  4. o_lat [R, c] = probabilities @ cache[:t, :c]                   (3xTF32 GEMM, "NN", optionally split
+     over key ranges into partials that a last launch sums in a fixed order).
+Scratch: R * (c + r + t) floats (+ splits * R * c), allocated on the stream for each call.
+Dimension letters: s query tokens, h heads, c kv_lora_rank, r qk_rope_head_dim, t = P + s key rows.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import numpy as np
+from numba import cuda, float32
+
+from numba_kernels.device_arrays import as_device_array, is_device_array
+from numba_kernels.flat_access import at, at_put
+from numba_kernels.mla_attention import _check_float32, key_visible
+from numba_kernels.mma import DEFAULT_GEMM, GemmConfig, gemm_tf32x3
+from numba_kernels.warp import ON_SIMULATOR, block_max, block_sum, row_blocks
+
+ROW_THREADS = 8 if ON_SIMULATOR else 256  # copy / softmax / sum blocks (power of two: block_max / block_sum)
+MIN_KEYS_PER_SPLIT = 256
+
+
+class AttentionTcConfig(NamedTuple):
+    """GEMM tiles of the score and value products; value_splits: key-range splits of the value GEMM
+    (None: default_value_splits)."""
+    score: GemmConfig = DEFAULT_GEMM
+    value: GemmConfig = DEFAULT_GEMM
+    value_splits: Optional[int] = None
+
+
+DEFAULT_CONFIG = AttentionTcConfig()
+
+
+@cuda.jit
+def concat_queries_kernel(q_lat, q_pe, q_cat):
+    """q_cat float32 [s*h, c+r] = [q_lat | q_pe] per row; q_lat [s, h, c], q_pe [s, h, r] (strided views fine).
+    Grid (row_blocks(s*h),), rows grid-stride, columns block-stride."""
+    heads, latent, width = q_lat.shape[1], q_lat.shape[2], q_cat.shape[1]
+    for row in range(cuda.blockIdx.x, q_cat.shape[0], cuda.gridDim.x):
+        token = row // heads
+        head = row - token * heads
+        for d in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+            q_cat[row, d] = q_lat[token, head, d] if d < latent else q_pe[token, head, d - latent]
+
+
+@cuda.jit
+def masked_softmax_kernel(scores, rows, keys, heads, prefix_len, visibility):
+    """scores float32 flat [R * t] (row ρ = i*h + head, already scaled) -> softmax over the keys query i sees
+    (0 elsewhere; a NaN row where it sees none). visibility uint32 [s, ceil(s/32)].
+    Grid (row_blocks(R),), ROW_THREADS threads; two passes: an online (max, sum), then the write."""
+    scratch = cuda.shared.array(ROW_THREADS, float32)
+    tid, width = cuda.threadIdx.x, cuda.blockDim.x
+    for row in range(cuda.blockIdx.x, rows, cuda.gridDim.x):  # block-uniform: the reductions sync
+        token = row // heads
+        base = row * keys
+        local_max = float32(-math.inf)
+        local_sum = float32(0.0)
+        for j in range(tid, keys, width):
+            if key_visible(token, j, prefix_len, visibility):
+                score = at(scores, base + j)
+                if score > local_max:  # rescale the running sum to the new max
+                    local_sum = local_sum * math.exp(local_max - score) + float32(1.0)
+                    local_max = score
+                else:
+                    local_sum += math.exp(score - local_max)
+        row_max = block_max(local_max, scratch)
+        part = local_sum * math.exp(local_max - row_max) if local_sum > 0 else float32(0.0)
+        total = block_sum(part, scratch)
+        inv = float32(1.0) / total if total > 0 else float32(math.nan)  # NaN: the query sees no key
+        for j in range(tid, keys, width):
+            if total > 0 and not key_visible(token, j, prefix_len, visibility):
+                at_put(scores, base + j, float32(0.0))
+            else:
+                at_put(scores, base + j, math.exp(at(scores, base + j) - row_max) * inv)
+
+
+@cuda.jit
+def sum_splits_kernel(parts, splits, size, out):
+    """out flat [size] = sum over z (in order) of parts flat [splits * size]. Grid-stride, 1-D."""
+    for e in range(cuda.grid(1), size, cuda.gridsize(1)):
+        total = float32(0.0)
+        for z in range(splits):
+            total += at(parts, z * size + e)
+        at_put(out, e, total)
+
+
+def default_value_splits(rows: int, keys: int, latent: int, config: GemmConfig, sms: int | None = None) -> int:
+    """Key-range splits of the value GEMM whose blocks fill the SMs best (the fewest within 2% of the best
+    wave efficiency, up to two waves), at least MIN_KEYS_PER_SPLIT keys each."""
+    tiles = -(-rows // config.block_m) * -(-latent // config.block_n)
+    if sms is None:
+        sms = 1 if ON_SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+    slots = sms * config.blocks_per_sm
+    most = max(1, min(-(-2 * slots // tiles), keys // MIN_KEYS_PER_SPLIT))
+
+    def efficiency(splits):
+        blocks = tiles * splits
+        return blocks / (-(-blocks // slots) * slots)
+
+    best = max(efficiency(splits) for splits in range(1, most + 1))
+    return next(splits for splits in range(1, most + 1) if efficiency(splits) >= 0.98 * best)
+
+
+def _checked_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility, out, stream):
+    """The device arrays (q_lat, q_pe, cache, visibility, out) after mla_attention's argument rules."""
+    q_lat, q_pe, cache_layer = as_device_array(q_lat), as_device_array(q_pe), as_device_array(cache_layer)
+    if len(q_lat.shape) != 3:
+        raise ValueError(f"q_lat must be float32 [s, h, c], got shape {list(q_lat.shape)}")
+    tokens, heads, latent = q_lat.shape
+    _check_float32("q_lat", q_lat, q_lat.shape)
+    if len(q_pe.shape) != 3 or tuple(q_pe.shape[:2]) != (tokens, heads):
+        raise ValueError(f"q_pe must be float32 [{tokens}, {heads}, r], got shape {list(q_pe.shape)}")
+    _check_float32("q_pe", q_pe, q_pe.shape)
+    width = latent + q_pe.shape[2]
+    if len(cache_layer.shape) != 2 or cache_layer.shape[1] != width or cache_layer.dtype != np.float32:
+        raise ValueError(f"cache_layer must be float32 [t, {width}], got {cache_layer.dtype} {list(cache_layer.shape)}")
+    if not cache_layer.is_c_contiguous():
+        raise ValueError("cache_layer must be C-contiguous (the GEMMs read it as a flat array)")
+    if prefix_len < 0 or prefix_len + tokens > cache_layer.shape[0]:
+        raise ValueError(f"prefix_len {prefix_len} + {tokens} in-flight rows do not fit the cache of "
+                         f"{cache_layer.shape[0]} rows")
+    words = max(1, (tokens + 31) // 32)
+    if not is_device_array(visibility):
+        visibility = np.asarray(visibility)
+        if visibility.dtype == np.uint32 and visibility.shape == (tokens, words) and prefix_len == 0:
+            bits = (visibility[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
+            sees = bits.reshape(tokens, -1)[:, :tokens].any(axis=1)
+            if not sees.all():
+                raise ValueError(f"query {int(np.flatnonzero(~sees)[0])} sees no key row (P = 0, empty mask row)")
+    visibility = as_device_array(visibility)
+    if visibility.dtype != np.uint32 or tuple(visibility.shape) != (tokens, words):
+        raise ValueError(f"visibility must be uint32 [{tokens}, {words}], got {visibility.dtype} "
+                         f"{list(visibility.shape)}")
+    if out is None:
+        out = cuda.device_array((tokens, heads, latent), dtype=np.float32, stream=stream)
+    out = as_device_array(out)
+    _check_float32("out", out, (tokens, heads, latent))
+    if not out.is_c_contiguous():
+        raise ValueError("out must be C-contiguous (the kernel writes it as a flat array)")
+    return q_lat, q_pe, cache_layer, visibility, out
+
+
+def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: float, out=None, stream=0,
+                     config: AttentionTcConfig | None = None):
+    """o_lat float32 [s, h, c] (device) of the absorbed MLA core, on the tensor cores (3xTF32).
+
+    q_lat float32 [s, h, c]; q_pe float32 [s, h, r] (strided views are fine); cache_layer float32 [>= P+s, c+r]
+    C-contiguous (rows [normed latent | roped k_pe], the s in-flight rows at P..P+s-1); prefix_len P;
+    visibility uint32 [s, ceil(s/32)] (mla_attention.pack_visibility / causal_visibility); scale: softmax
+    scale. A numpy mask is checked for queries that see no row; on the device such a query's output is NaN.
+    """
+    q_lat, q_pe, cache, visibility, out = _checked_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility, out,
+                                                          stream)
+    config = DEFAULT_CONFIG if config is None else config
+    tokens, heads, latent = q_lat.shape
+    width, rows, keys = latent + q_pe.shape[2], tokens * heads, prefix_len + tokens
+    if rows == 0 or latent == 0:
+        return out
+    q_cat = cuda.device_array((rows, width), dtype=np.float32, stream=stream)
+    concat_queries_kernel[row_blocks(rows), ROW_THREADS, stream](q_lat, q_pe, q_cat)
+    scores = cuda.device_array((1, rows, keys), dtype=np.float32, stream=stream)
+    gemm_tf32x3(q_cat, cache, scores, keys, width, alpha=scale, b_k_contiguous=True, config=config.score,
+                stream=stream)
+    masked_softmax_kernel[row_blocks(rows), ROW_THREADS, stream](scores.reshape(-1), rows, keys, heads, prefix_len,
+                                                                 visibility)
+    splits = config.value_splits or default_value_splits(rows, keys, latent, config.value)
+    if splits == 1:
+        gemm_tf32x3(scores.reshape(rows, keys), cache, out.reshape(1, rows, latent), latent, keys,
+                    b_k_contiguous=False, config=config.value, stream=stream)
+        return out
+    parts = cuda.device_array((splits, rows, latent), dtype=np.float32, stream=stream)
+    gemm_tf32x3(scores.reshape(rows, keys), cache, parts, latent, keys, b_k_contiguous=False, splits=splits,
+                config=config.value, stream=stream)
+    size = rows * latent
+    sum_splits_kernel[min(-(-size // ROW_THREADS), 4 * 1024) if not ON_SIMULATOR else 1, ROW_THREADS, stream](
+        parts.reshape(-1), splits, size, out.reshape(-1))
+    return out

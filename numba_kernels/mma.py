@@ -1,0 +1,347 @@
+"""3xTF32 tensor-core primitives and a tiled fp32-accurate GEMM built on them.
+
+3xTF32: each fp32 operand x = hi + lo with hi = tf32(x), lo = tf32(x - hi) (round to nearest, ties away:
+cvt.rna.tf32.f32); a * b ~= a_lo b_hi + a_hi b_lo + a_hi b_hi, three mma.sync m16n8k8 tf32 with fp32
+accumulation. The dropped a_lo b_lo term is ~2^-22 of the product, so errors stay at fp32-rounding level.
+
+Fragment layouts of mma.m16n8k8 (PTX ISA "Matrix Fragments for mma.m16n8k8", .tf32), lane = g * 4 + tq:
+    A 16x8 (row): a0 (g, tq), a1 (g+8, tq), a2 (g, tq+4), a3 (g+8, tq+4)
+    B 8x8 (col):  b0 (k=tq, n=g), b1 (k=tq+4, n=g)
+    C/D 16x8:     c0 (g, 2tq), c1 (g, 2tq+1), c2 (g+8, 2tq), c3 (g+8, 2tq+1)
+On a GPU the primitives are inline PTX (sm_80+). The simulator cannot run PTX, so there mma_tf32 gives each
+lane the same fragment semantics through a per-warp shared ``scratch`` (SIM_SCRATCH_PER_WARP floats per warp,
+every thread of the 1-D block must call it: it syncs the block); on a GPU ``scratch`` is ignored.
+
+gemm_kernel(config, b_k_contiguous) builds the GEMM C = alpha * A @ B for one GemmConfig (see its docstring).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from numba_kernels.flat_access import at, at_put
+from numba_kernels.warp import ON_SIMULATOR
+
+WARP = 32
+SIM_SCRATCH_PER_WARP = 16 * 8 + 8 * 8  # the A tile and the B tile of one mma
+TF32_MASK = 0xFFFFE000  # the 19 bits a tf32 keeps (sign, 8 exponent, 10 mantissa)
+
+if ON_SIMULATOR:
+    def _as_float(bits):
+        return np.uint32(bits).view(np.float32)
+
+    @cuda.jit(device=True)
+    def tf32_round(x):
+        """cvt.rna.tf32.f32: x (float32) rounded to tf32, nearest with ties away from zero; uint32 bits (low
+        13 zero). Model: add half a tf32 ulp to the magnitude bits, drop 13 bits; inf / NaN pass through."""
+        bits = int(np.float32(x).view(np.uint32))
+        if (bits & 0x7F800000) == 0x7F800000:
+            return np.uint32(bits)
+        return np.uint32((bits + 0x1000) & TF32_MASK)
+
+    @cuda.jit(device=True)
+    def tf32_as_float(bits):
+        return _as_float(bits)
+
+    @cuda.jit(device=True)
+    def float_bits(x):
+        return np.float32(x).view(np.uint32)
+
+    @cuda.jit(device=True)
+    def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+        """d = A @ B + C for one warp's m16n8k8 fragments (tf32 bits in, float32 out), via shared scratch."""
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        g, tq = lane >> 2, lane & 3
+        base = (tid // WARP) * SIM_SCRATCH_PER_WARP
+        b_base = base + 16 * 8
+        for bits, row, col in ((a0, g, tq), (a1, g + 8, tq), (a2, g, tq + 4), (a3, g + 8, tq + 4)):
+            scratch[base + row * 8 + col] = _as_float(int(bits) & TF32_MASK)  # the unit reads 19 bits
+        scratch[b_base + tq * 8 + g] = _as_float(int(b0) & TF32_MASK)
+        scratch[b_base + (tq + 4) * 8 + g] = _as_float(int(b1) & TF32_MASK)
+        cuda.syncthreads()  # the warp's whole A and B tiles stored
+        a = scratch[base:base + 128].reshape(16, 8).astype(np.float64)
+        b = scratch[b_base:b_base + 64].reshape(8, 8).astype(np.float64)
+        d = [float(c) for c in (c0, c1, c2, c3)]
+        for n, (row, col) in enumerate(((g, 2 * tq), (g, 2 * tq + 1), (g + 8, 2 * tq), (g + 8, 2 * tq + 1))):
+            d[n] = np.float32(d[n] + float(a[row] @ b[:, col]))  # exact tf32 products, fp32 result
+        cuda.syncthreads()  # everyone read the tiles before the next mma overwrites them
+        return d[0], d[1], d[2], d[3]
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def tf32_round(typingctx, x):
+        """cvt.rna.tf32.f32: x rounded to tf32 (nearest, ties away), as uint32 bits."""
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.FloatType()]), "cvt.rna.tf32.f32 $0, $1;", "=r,f")
+            return builder.call(asm, [args[0]])
+        return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def tf32_as_float(typingctx, bits):
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return types.float32(types.uint32), codegen
+
+    @intrinsic
+    def float_bits(typingctx, x):
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+        return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def _mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        signature = types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4))
+
+        def codegen(context, builder, sig, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4),
+                               "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                               "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            d = builder.call(asm, list(args))
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, n) for n in range(4)])
+
+        return signature, codegen
+
+    @cuda.jit(device=True, forceinline=True)
+    def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+        """d = A @ B + C for one warp's m16n8k8 fragments (tf32 bits in, float32 out); scratch unused."""
+        return _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+_DEVICE = dict(device=True) if ON_SIMULATOR else dict(device=True, forceinline=True)
+
+
+@cuda.jit(**_DEVICE)
+def tf32_split(x):
+    """(hi, lo) tf32 operand bits of finite float32 x: hi = tf32_rna(x), lo ~ tf32_rna(x - hi) (the low 13
+    bits of lo are left for the tensor core to ignore); hi + lo = x to 2^-22 relative.
+
+    Integer rounding (add half a tf32 ulp, mask): 4 instructions for both halves, where sm_90 emulates each
+    cvt.rna.tf32.f32 in four. Equal to cvt.rna for finite x below FLT_MAX's last tf32 ulp; inf / NaN in
+    give NaN / NaN out (a NaN payload may change), which only NaN rows of the caller ever feed it."""
+    hi = (float_bits(x) + uint32(0x1000)) & uint32(TF32_MASK)
+    return hi, float_bits(x - tf32_as_float(hi)) + uint32(0x1000)
+
+
+# ------------------------------------------------------------------------------------------------ GEMM
+class GemmConfig(NamedTuple):
+    """Block tile block_m x block_n, K staged block_k at a time; warps_m x warps_n warps, each owning a
+    (block_m / warps_m) x (block_n / warps_n) tile of m16n8 fragments (accumulators in registers)."""
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 32
+    warps_m: int = 2
+    warps_n: int = 4
+    blocks_per_sm: int = 1
+
+    @property
+    def threads(self) -> int:
+        return WARP * self.warps_m * self.warps_n
+
+    @property
+    def fragments(self) -> tuple[int, int]:
+        """(m16 fragments, n8 fragments) per warp."""
+        return self.block_m // self.warps_m // 16, self.block_n // self.warps_n // 8
+
+    def shared_floats(self, b_k_contiguous: bool) -> tuple[int, int]:
+        """(A tile, B tile) in floats: K-contiguous tiles padded by 4 (rows 4 banks apart: the fragment
+        loads of a warp hit 32 distinct banks), the N-contiguous B tile by 8 (with block_n % 32 == 0, k rows
+        8 banks apart: conflict-free too)."""
+        b = self.block_n * (self.block_k + 4) if b_k_contiguous else self.block_k * (self.block_n + 8)
+        return self.block_m * (self.block_k + 4), b
+
+    def check(self, b_k_contiguous: bool = True) -> None:
+        """ValueError naming the first broken rule."""
+        t, (mi, ni) = self.threads, self.fragments
+        rules = [
+            (mi >= 1 and ni >= 1 and self.block_m == 16 * mi * self.warps_m and self.block_n == 8 * ni * self.warps_n,
+             "block_m = 16 * warps_m * k, block_n = 8 * warps_n * k"),
+            (self.block_k % 8 == 0 and t % self.block_k == 0 and (self.block_m * self.block_k) % t == 0
+             and (self.block_n * self.block_k) % t == 0, "block_k % 8, threads % block_k, tiles * block_k % threads"),
+            (b_k_contiguous or t % self.block_n == 0, "N-contiguous B: threads % block_n == 0"),
+            (4 * sum(self.shared_floats(b_k_contiguous)) + 4 * SIM_SCRATCH_PER_WARP * self.warps_m * self.warps_n
+             <= 48 * 1024, "shared memory <= 48 KB"),
+        ]
+        for ok, rule in rules:
+            if not ok:
+                raise ValueError(f"bad GemmConfig {self}: needs {rule}")
+
+
+if ON_SIMULATOR:  # every simulated thread is a Python thread: two warps, one fragment each
+    DEFAULT_GEMM = GemmConfig(block_m=16, block_n=16, block_k=8, warps_m=1, warps_n=2)
+else:
+    DEFAULT_GEMM = GemmConfig()
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_kernel(config: GemmConfig, b_k_contiguous: bool):
+    """The 3xTF32 GEMM kernel for one config; B K-contiguous ("NT": b[n * ldb + k]) or N-contiguous
+    ("NN": b[k * ldb + n])."""
+    config.check(b_k_contiguous)
+    BM, BN, BK, T = config.block_m, config.block_n, config.block_k, config.threads
+    MI, NI = config.fragments
+    WN = config.warps_n
+    WARP_M, WARP_N = BM // config.warps_m, BN // WN
+    A_STRIDE = BK + 4
+    B_STRIDE = BK + 4 if b_k_contiguous else BN + 8
+    A_SIZE, B_SIZE = config.shared_floats(b_k_contiguous)
+    A_LOADS, B_LOADS = BM * BK // T, BN * BK // T
+    PRE, ACC, B_FRAGMENTS = A_LOADS + B_LOADS, MI * NI * 4, 2 * NI  # register array sizes (literal constants)
+    ROWS_PER_LOAD = T // BK                   # K-contiguous tiles: a load step covers this many rows
+    K_ROWS_PER_LOAD = T // BN if not b_k_contiguous else 0  # N-contiguous B tile: k rows per load step
+    SCRATCH = SIM_SCRATCH_PER_WARP * config.warps_m * WN if ON_SIMULATOR else 1
+    options = {} if ON_SIMULATOR else dict(launch_bounds=(T, config.blocks_per_sm))
+
+    @cuda.jit(**_DEVICE)
+    def load_tiles(a, b, m, n, lda, ldb, m0, n0, k0, k_end, pre):
+        """This thread's elements of the A [BM, BK] and B tiles at k0 into pre (zeros outside)."""
+        tid = cuda.threadIdx.x
+        row0, col = tid // BK, tid % BK
+        k = k0 + col
+        k_full = k0 + BK <= k_end
+        if k_full and m0 + BM <= m:  # interior tile (block-uniform): no bounds checks
+            a_at = (m0 + row0) * lda + k
+            for i in range(A_LOADS):
+                pre[i] = at(a, a_at + i * (ROWS_PER_LOAD * lda))
+        else:
+            for i in range(A_LOADS):
+                row = m0 + row0 + ROWS_PER_LOAD * i
+                pre[i] = at(a, row * lda + k) if row < m and k < k_end else float32(0.0)
+        if k_full and n0 + BN <= n:
+            b_at = (n0 + row0) * ldb + k if b_k_contiguous else (k0 + tid // BN) * ldb + n0 + tid % BN
+            b_step = ROWS_PER_LOAD * ldb if b_k_contiguous else K_ROWS_PER_LOAD * ldb
+            for i in range(B_LOADS):
+                pre[A_LOADS + i] = at(b, b_at + i * b_step)
+        elif b_k_contiguous:
+            for i in range(B_LOADS):
+                row = n0 + row0 + ROWS_PER_LOAD * i
+                pre[A_LOADS + i] = at(b, row * ldb + k) if row < n and k < k_end else float32(0.0)
+        else:
+            column = n0 + tid % BN
+            for i in range(B_LOADS):
+                kb = k0 + tid // BN + K_ROWS_PER_LOAD * i
+                pre[A_LOADS + i] = at(b, kb * ldb + column) if column < n and kb < k_end else float32(0.0)
+
+    @cuda.jit(**_DEVICE)
+    def store_tiles(pre, a_s, b_s):
+        tid = cuda.threadIdx.x
+        row0, col = tid // BK, tid % BK
+        for i in range(A_LOADS):
+            at_put(a_s, (row0 + ROWS_PER_LOAD * i) * A_STRIDE + col, pre[i])
+        for i in range(B_LOADS):
+            if b_k_contiguous:
+                at_put(b_s, (row0 + ROWS_PER_LOAD * i) * B_STRIDE + col, pre[A_LOADS + i])
+            else:
+                at_put(b_s, (tid // BN + K_ROWS_PER_LOAD * i) * B_STRIDE + tid % BN, pre[A_LOADS + i])
+
+    @cuda.jit(fastmath=False, **options)
+    def gemm_tf32x3(a, b, c, m, n, k, lda, ldb, ldc, alpha, k_per_split):
+        """c[z * m * ldc + i * ldc + j] = alpha * sum over kk of split z of a[i * lda + kk] * B(kk, j), for
+        i < m, j < n (every such element written); split z = blockIdx.z covers kk in
+        [z * k_per_split, min(k, (z + 1) * k_per_split)). a, b, c flat float32. Grid (ceil(m / BM),
+        ceil(n / BN), splits), T threads."""
+        a_s = cuda.shared.array(A_SIZE, float32)
+        b_s = cuda.shared.array(B_SIZE, float32)
+        scratch = cuda.shared.array(SCRATCH, float32)
+        acc = cuda.local.array(ACC, float32)
+        pre = cuda.local.array(PRE, float32)
+        b_hi = cuda.local.array(B_FRAGMENTS, uint32)
+        b_lo = cuda.local.array(B_FRAGMENTS, uint32)
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        g, tq = lane >> 2, lane & 3
+        warp = tid // WARP
+        wm0, wn0 = (warp // WN) * WARP_M, (warp % WN) * WARP_N
+        m0, n0 = cuda.blockIdx.x * BM, cuda.blockIdx.y * BN
+        k_begin = cuda.blockIdx.z * k_per_split
+        k_end = min(k, k_begin + k_per_split)
+        for e in range(ACC):
+            acc[e] = float32(0.0)
+        chunks = (max(k_end - k_begin, 0) + BK - 1) // BK
+        if chunks > 0:
+            load_tiles(a, b, m, n, lda, ldb, m0, n0, k_begin, k_end, pre)
+        for chunk in range(chunks):
+            cuda.syncthreads()  # every warp done reading the previous chunk's tiles
+            store_tiles(pre, a_s, b_s)
+            cuda.syncthreads()  # tiles stored
+            if chunk + 1 < chunks:  # the next chunk's global loads in flight during this chunk's mma
+                load_tiles(a, b, m, n, lda, ldb, m0, n0, k_begin + (chunk + 1) * BK, k_end, pre)
+            for step in range(BK // 8):
+                kc = step * 8 + tq
+                for j in range(NI):
+                    if b_k_contiguous:
+                        base = (wn0 + j * 8 + g) * B_STRIDE + kc
+                        v0, v1 = at(b_s, base), at(b_s, base + 4)
+                    else:
+                        base = kc * B_STRIDE + wn0 + j * 8 + g
+                        v0, v1 = at(b_s, base), at(b_s, base + 4 * B_STRIDE)
+                    b_hi[2 * j], b_lo[2 * j] = tf32_split(v0)
+                    b_hi[2 * j + 1], b_lo[2 * j + 1] = tf32_split(v1)
+                for i in range(MI):
+                    base = (wm0 + i * 16 + g) * A_STRIDE + kc
+                    h0, l0 = tf32_split(at(a_s, base))
+                    h1, l1 = tf32_split(at(a_s, base + 8 * A_STRIDE))
+                    h2, l2 = tf32_split(at(a_s, base + 4))
+                    h3, l3 = tf32_split(at(a_s, base + 8 * A_STRIDE + 4))
+                    for j in range(NI):
+                        o = (i * NI + j) * 4
+                        d0, d1, d2, d3 = mma_tf32(l0, l1, l2, l3, b_hi[2 * j], b_hi[2 * j + 1],
+                                                  acc[o], acc[o + 1], acc[o + 2], acc[o + 3], scratch)
+                        d0, d1, d2, d3 = mma_tf32(h0, h1, h2, h3, b_lo[2 * j], b_lo[2 * j + 1],
+                                                  d0, d1, d2, d3, scratch)
+                        d0, d1, d2, d3 = mma_tf32(h0, h1, h2, h3, b_hi[2 * j], b_hi[2 * j + 1],
+                                                  d0, d1, d2, d3, scratch)
+                        acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = d0, d1, d2, d3
+        out0 = cuda.blockIdx.z * m * ldc
+        for i in range(MI):
+            for j in range(NI):
+                o = (i * NI + j) * 4
+                column = n0 + wn0 + j * 8 + 2 * tq
+                for half in range(2):
+                    row = m0 + wm0 + i * 16 + g + 8 * half
+                    if row < m:
+                        if column < n:
+                            at_put(c, out0 + row * ldc + column, alpha * acc[o + 2 * half])
+                        if column + 1 < n:
+                            at_put(c, out0 + row * ldc + column + 1, alpha * acc[o + 2 * half + 1])
+
+    return gemm_tf32x3
+
+
+def gemm_grid(config: GemmConfig, m: int, n: int, splits: int = 1) -> tuple[int, int, int]:
+    return (-(-m // config.block_m), -(-n // config.block_n), splits)
+
+
+def gemm_tf32x3(a, b, c, n: int, k: int, alpha: float = 1.0, b_k_contiguous: bool = True, splits: int = 1,
+                config: GemmConfig = DEFAULT_GEMM, stream=0):
+    """c[z, i, j] = alpha * sum over split z's k range of a[i, kk] * B(kk, j), i < m, j < n (the rest of c
+    untouched). Device arrays, C-contiguous float32: a [m, lda >= k]; b [>= n, ldb >= k] with B(kk, j) =
+    b[j, kk] (b_k_contiguous) or [>= k, ldb >= n] with B(kk, j) = b[kk, j]; c [splits, m, ldc >= n].
+    The k range is split in `splits` parts of whole block_k chunks (a trailing split may be empty: zeros)."""
+    for name, array in (("a", a), ("b", b), ("c", c)):
+        if array.dtype != np.float32 or not array.is_c_contiguous():
+            raise ValueError(f"{name} must be a C-contiguous float32 device array, got {array.dtype}")
+    m, lda = a.shape
+    ldb = b.shape[1]
+    if len(c.shape) != 3 or c.shape[0] != splits or c.shape[1] != m or c.shape[2] < n:
+        raise ValueError(f"c must be float32 [{splits}, {m}, >= {n}], got {list(c.shape)}")
+    b_rows, b_cols = (n, k) if b_k_contiguous else (k, n)
+    if lda < k or b.shape[0] < b_rows or ldb < b_cols:
+        raise ValueError(f"a [{m}, {lda}] / b {list(b.shape)} too small for n={n}, k={k}")
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    k_per_split = -(-max(k, 1) // splits)
+    k_per_split = -(-k_per_split // config.block_k) * config.block_k
+    if m == 0 or n == 0:
+        return c
+    kernel = gemm_kernel(config, bool(b_k_contiguous))
+    kernel[gemm_grid(config, m, n, splits), config.threads, stream](
+        a.reshape(-1), b.reshape(-1), c.reshape(-1), m, n, k, lda, ldb, c.shape[2], np.float32(alpha), k_per_split)
+    return c
