@@ -2,6 +2,8 @@
 
     python3 -m tools.sweeps.moe          (H200: ~2-3 min; 34 GB of bf16 weights made with torch)
     python3 -m tools.sweeps.moe --sim    (CUDA simulator, toy sizes: a few seconds; the times mean nothing)
+    python3 -m tools.sweeps.moe --experts 32 --tokens 1,8,16,64   (k2-mini's routing: 32 experts, so a
+        verify of 8 tokens already gives each active expert ~3.4 tokens; --only c0,c9: a subset of configs)
 
 Kimi K2 sizes: E=384 experts, top-8, d=7168, f=2048, bf16 weights (bits in int16).
 1. correctness: moe_experts with no config (default_config) and with every swept config against a float64
@@ -59,8 +61,21 @@ else:
         C(8, 1, 2, 4, 4, 8, 80),
         C(8, 2, 4, 2, 4, 8, 0, True),  # weights loaded evict-first (ld.global.cs)
         C(8, 1, 2, 4, 4, 8, 0, True),
+        C(8, 1, 2, 2, 8, 8, 0, True),  # 8 tokens a pass, evict-first (k2-mini: 32 experts, several tokens each)
+        C(8, 2, 4, 2, 8, 8, 0, True),
     ]))
     WARMUP, REPEATS = 3, 12
+
+
+def _option(name: str, default):
+    """The value after ``name`` on the command line, or default."""
+    args = sys.argv[1:]
+    return args[args.index(name) + 1] if name in args[:-1] else default
+
+
+E = int(_option("--experts", E))
+TOKENS = tuple(int(t) for t in str(_option("--tokens", ",".join(map(str, TOKENS)))).split(","))
+ONLY = set(_option("--only", "").split(",")) - {""}
 RTOL = 1e-4
 EXPERT_BYTES = 3 * D * F * 2  # one expert's bf16 gate, up and down
 
@@ -165,7 +180,7 @@ def main() -> int:
     w_gate_up, w_down, gate_up, down = make_weights()
     if not ON_SIMULATOR:  # a read-only roofline for context: torch's bf16 sum over 295 experts (s=64's count)
         import torch
-        part = gate_up[:295]
+        part = gate_up[:min(295, E)]
         read = time_gpu(lambda: torch.sum(part, dtype=torch.float32), WARMUP, REPEATS)
         log(f"read-only roofline (torch bf16 sum): {part.numel() * 2 / read / 1e9:.0f} GB/s "
             f"= {100 * part.numel() * 2 / read / copy_bw:.1f}% of copy bandwidth")
@@ -184,7 +199,8 @@ def main() -> int:
         tokens = np.arange(s) if s <= 16 else np.sort(rng.choice(s, 16, replace=False))
         want = reference(x_h, ids_h, w_h, tokens, gate_up, down)
         log(f"s={s}: {distinct} distinct experts; reference on {len(tokens)} tokens")
-        runs = [("auto", None)] + [(config_name(i), config) for i, config in enumerate(CONFIGS)]
+        runs = [("auto", None)] + [(config_name(i), config) for i, config in enumerate(CONFIGS)
+                                   if not ONLY or config_name(i).rstrip("*") in ONLY]
         for name, config in runs:
             def call(out, config=config):
                 return moe.moe_experts(x, ids, weights, w_gate_up, w_down, out=out, config=config)
@@ -212,6 +228,8 @@ def main() -> int:
     act = cuda.device_array((1, F), np.float32)  # freshly allocated: aligned like the launcher's workspace
     x_probe = cuda.device_array((1, D), np.float32)
     for i, config in enumerate(CONFIGS):
+        if ONLY and config_name(i).rstrip("*") not in ONLY:
+            continue
         gate_up_kernel = moe.expert_kernels(moe.word_width(gate_view, x_probe, config), config)[0]
         down_kernel = moe.expert_kernels(moe.word_width(down_view, act, config), config)[1]
         log(f"  {config_name(i)}: {config}; gate_up {resources(gate_up_kernel)}; down {resources(down_kernel)}")
