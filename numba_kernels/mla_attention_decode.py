@@ -36,6 +36,30 @@ from numba_kernels.rmsnorm import as_device_array, is_device_array
 from numba_kernels.warp import FULL_MASK, ON_SIMULATOR, row_blocks
 
 MAX_TOKENS = 32  # query tokens per call (one visibility word); more: numba_kernels/mla_attention.py
+P_ALIGN = None if ON_SIMULATOR else 16  # p [KEYS, HEADS] in shared: 16-byte rows for load4
+
+if ON_SIMULATOR:
+    def load4(array, index):
+        """(array[index], .., array[index + 3]) of a 1-D array."""
+        return array[index], array[index + 1], array[index + 2], array[index + 3]
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def load4(typingctx, array, index):
+        """(array[index], .., array[index + 3]) of a 1-D float32 array in one 16-byte load (ld.shared.v4 for a
+        broadcast: one shared-memory wavefront instead of four). index * 4 bytes must be 16-byte aligned."""
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+            offset = context.cast(builder, args[1], sig.args[1], types.intp)
+            address = builder.gep(data, [offset], inbounds=True)
+            vector_type = ir.VectorType(ir.FloatType(), 4)
+            vector = builder.load(builder.bitcast(address, vector_type.as_pointer(address.type.addrspace)), align=16)
+            values = [builder.extract_element(vector, ir.Constant(ir.IntType(32), i)) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, values)
+        return types.UniTuple(types.float32, 4)(array, index), codegen
 
 
 class DecodeConfig(NamedTuple):
@@ -102,6 +126,8 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
     SCRATCH = T * N if ON_SIMULATOR else 1
     Q_SIZE, SCORE_SIZE = HB * QW, HB * KC       # shared / local sizes must be plain constants
     VALUE_REGS, KEY_REGS, V_REGS = HB * VC, KG * DJ, VU * VC
+    Q_LOADS = -(-Q_SIZE // T)                   # q staging: loads per thread
+    VECTOR_P = HB % 4 == 0                      # values: p of 4 heads per shared load
     compile_options = {} if ON_SIMULATOR else dict(launch_bounds=(T, config.blocks_per_sm))
 
     @cuda.jit(**INLINE_DEVICE)
@@ -118,6 +144,24 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
             part[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, offset)
 
     halve_all = static_for(LOG_N, halve_partials)
+
+    @cuda.jit(**INLINE_DEVICE)
+    def load_q(k, args):
+        """q_pre[k] = element tid + T k of the block's q rows [HEADS, QW] (k a constant: q_pre in registers)."""
+        q_lat, q_pe, row0, q_pre = args
+        tokens, heads, latent = q_lat.shape[0], q_lat.shape[1], q_lat.shape[2]
+        e = cuda.threadIdx.x + T * k
+        hb = e // QW
+        d = e - hb * QW
+        row = row0 + hb
+        value = float32(0.0)
+        if e < Q_SIZE and row < tokens * heads and d < latent + q_pe.shape[2]:
+            token = row // heads
+            head = row - token * heads
+            value = q_lat[token, head, d] if d < latent else q_pe[token, head, d - latent]
+        q_pre[k] = value
+
+    load_q_all = static_for(Q_LOADS, load_q)
 
     @cuda.jit(**INLINE_DEVICE)
     def dot_dim(j, args):
@@ -201,7 +245,7 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
 
         q_s = cuda.shared.array(Q_SIZE, float32)         # q rows [HEADS, QW]
         score_s = cuda.shared.array(SCORE_SIZE, float32)     # raw scores [HEADS, KEYS]
-        p_s = cuda.shared.array(SCORE_SIZE, float32)         # probabilities [KEYS, HEADS]
+        p_s = cuda.shared.array(SCORE_SIZE, float32, alignment=P_ALIGN)  # probabilities [KEYS, HEADS]
         alpha_s = cuda.shared.array(HB, float32)
         max_s = cuda.shared.array(HB, float32)
         sum_s = cuda.shared.array(HB, float32)
@@ -212,17 +256,14 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
         v_val = cuda.local.array(V_REGS, float32)
         run_max = cuda.local.array(HPW, float32)
         run_sum = cuda.local.array(HPW, float32)
+        q_pre = cuda.local.array(Q_LOADS, float32)
 
-        for e in range(tid, HB * QW, T):  # q rows, zeros past c + r and past the last row
-            hb = e // QW
-            d = e - hb * QW
-            row = row0 + hb
-            value = float32(0.0)
-            if row < rows and d < width:
-                token = row // heads
-                head = row - token * heads
-                value = q_lat[token, head, d] if d < latent else q_pe[token, head, d - latent]
-            q_s[e] = value
+        # q rows (zeros past c + r and past the last row): all loads in flight, then the stores (a load-store
+        # loop would wait for each load in turn)
+        load_q_all((q_lat, q_pe, row0, q_pre))
+        for k in range(Q_LOADS):
+            if tid + T * k < Q_SIZE:
+                at_put(q_s, tid + T * k, q_pre[k])
         for i in range(HB * VC):
             acc[i] = 0.0
         for j in range(HPW):
@@ -295,10 +336,20 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
                             if n0 + u < chunk_keys and column < latent else float32(0.0)
                 for u in range(VU):
                     n = min(n0 + u, KC - 1)  # p is 0 past chunk_keys (the values too)
-                    for hb in range(HB):
-                        p = at(p_s, n * HB + hb)
-                        for k in range(VC):
-                            acc[hb * VC + k] += p * v_val[u * VC + k]
+                    if VECTOR_P:  # one broadcast load for 4 heads' p
+                        for h4 in range(HB // 4):
+                            p0, p1, p2, p3 = load4(p_s, n * HB + 4 * h4)
+                            for k in range(VC):
+                                v = v_val[u * VC + k]
+                                acc[(4 * h4) * VC + k] += p0 * v
+                                acc[(4 * h4 + 1) * VC + k] += p1 * v
+                                acc[(4 * h4 + 2) * VC + k] += p2 * v
+                                acc[(4 * h4 + 3) * VC + k] += p3 * v
+                    else:
+                        for hb in range(HB):
+                            p = at(p_s, n * HB + hb)
+                            for k in range(VC):
+                                acc[hb * VC + k] += p * v_val[u * VC + k]
 
         # ---- write-out: the softmax owners publish max / sum, every thread divides its columns
         for j in range(HPW):
@@ -410,9 +461,9 @@ def mla_attention_decode(q_lat, q_pe, cache_layer, prefix_len: int, visibility, 
     kernel = decode_kernel(config)
     grid = (row_groups, splits)
     if splits == 1:
-        dummy = cuda.device_array(1, dtype=np.float32, stream=stream)
+        flat_out = out.reshape(-1)  # also stands in for the partials (not written when direct)
         kernel[grid, config.threads, stream](q_lat, q_pe, cache_layer, prefix_len, visibility, np.float32(scale),
-                                             keys_per_split, True, out.reshape(-1), dummy, dummy)
+                                             keys_per_split, True, flat_out, flat_out, flat_out)
         return out
     o_part = cuda.device_array((splits, tokens, heads, latent), dtype=np.float32, stream=stream)
     lse_part = cuda.device_array((splits, tokens, heads), dtype=np.float32, stream=stream)
