@@ -71,7 +71,7 @@ class DecodeConfig(NamedTuple):
     threads: int = 256
     lanes: int = 32              # warp width (32 on a GPU; narrower under the simulator to stay quick)
     min_keys_per_split: int = 64
-    blocks_per_sm: int = 2       # for the split count: blocks an SM runs at once
+    blocks_per_sm: int = 2       # blocks an SM runs at once: the register cap (launch bound) and the split count
     fastmath: bool = False
 
     @property
@@ -104,7 +104,7 @@ if ON_SIMULATOR:  # every simulated thread is a Python thread: 2 warps of 8 lane
     DEFAULT_CONFIG = DecodeConfig(heads=2, keys=8, key_group=2, value_unroll=2, threads=16, lanes=8,
                                   min_keys_per_split=8)
 else:
-    DEFAULT_CONFIG = DecodeConfig()
+    DEFAULT_CONFIG = DecodeConfig(blocks_per_sm=1)  # 209 registers, no spills (2 per SM: 128, spills)
 
 
 @functools.lru_cache(maxsize=None)
