@@ -383,12 +383,20 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
 # ------------------------------------------------------------------------------------------- host side
 def decode_num_splits(row_groups: int, total_keys: int, config: DecodeConfig = DEFAULT_CONFIG,
                       sms: int | None = None) -> int:
-    """Splits so that row_groups x splits blocks fill the SMs' slots (blocks_per_sm each), at least
-    min_keys_per_split key rows per split. sms: SM count (None: this device)."""
+    """Splits whose row_groups x splits blocks fill the SMs' slots (blocks_per_sm each) best: the fewest splits
+    within 2% of the best wave efficiency, up to one wave, min_keys_per_split key rows each. sms: SM count
+    (None: this device)."""
     if sms is None:
         sms = 1 if ON_SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
-    wanted = -(-sms * config.blocks_per_sm // row_groups)
-    return max(1, min(wanted, total_keys // config.min_keys_per_split))
+    slots = sms * config.blocks_per_sm
+    most = max(1, min(-(-slots // row_groups), total_keys // config.min_keys_per_split))
+
+    def efficiency(splits):
+        blocks = row_groups * splits
+        return blocks / (-(-blocks // slots) * slots)
+
+    best = max(efficiency(splits) for splits in range(1, most + 1))
+    return next(splits for splits in range(1, most + 1) if efficiency(splits) >= 0.98 * best)
 
 
 def _check_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility):

@@ -117,8 +117,9 @@ def test_decode_num_splits_rule():
                           key_group=4)
     assert decode_num_splits(8, 101, config, sms=132) == 1            # AR at P ~ 100: one split
     assert decode_num_splits(8, 1025, config, sms=132) == 16          # 1025 // 64
-    assert decode_num_splits(8, 8193, config, sms=132) == 33          # 264 slots / 8 row groups
-    assert decode_num_splits(64, 8200, config, sms=132) == 5          # s = 8: ceil(264 / 64)
+    assert decode_num_splits(8, 8193, config, sms=132) == 33          # 264 slots / 8 row groups: one full wave
+    assert decode_num_splits(64, 8200, config, sms=132) == 4          # s = 8: 256 of 264 slots (5: 320, 2 waves)
+    assert decode_num_splits(8, 8193, config._replace(blocks_per_sm=1), sms=132) == 16  # 128 of 132 (17: 2 waves)
     assert decode_num_splits(400, 8200, config, sms=132) == 1
 
 
