@@ -8,6 +8,9 @@ Fragment layouts of mma.m16n8k8 (PTX ISA "Matrix Fragments for mma.m16n8k8", .tf
     A 16x8 (row): a0 (g, tq), a1 (g+8, tq), a2 (g, tq+4), a3 (g+8, tq+4)
     B 8x8 (col):  b0 (k=tq, n=g), b1 (k=tq+4, n=g)
     C/D 16x8:     c0 (g, 2tq), c1 (g, 2tq+1), c2 (g+8, 2tq), c3 (g+8, 2tq+1)
+The tensor core's fp32 accumulation truncates (see _truncate_to_float32), so the GEMM sums each group of
+`sum_every` k-steps in fresh (zeroed) fragments and adds them into its fp32 accumulators with ordinary FADD
+(round to nearest): the biased error is bounded by the group, not by K.
 On a GPU the primitives are inline PTX (sm_80+). The simulator cannot run PTX, so there mma_tf32 gives each
 lane the same fragment semantics through a per-warp shared ``scratch`` (SIM_SCRATCH_PER_WARP floats per warp,
 every thread of the 1-D block must call it: it syncs the block); on a GPU ``scratch`` is ignored.
@@ -32,6 +35,15 @@ TF32_MASK = 0xFFFFE000  # the 19 bits a tf32 keeps (sign, 8 exponent, 10 mantiss
 if ON_SIMULATOR:
     def _as_float(bits):
         return np.uint32(bits).view(np.float32)
+
+    def _truncate_to_float32(x):
+        """float64 x -> float32 rounded toward zero: the tensor core's accumulation model (its fp32 adder
+        aligns and truncates instead of rounding to nearest, so every mma adds a small error biased toward
+        zero; measured on the H200 as errors growing with the number of k-steps summed in one register)."""
+        rounded = np.float32(x)
+        if np.isfinite(rounded) and abs(float(rounded)) > abs(x):
+            rounded = np.nextafter(rounded, np.float32(0.0))
+        return rounded
 
     @cuda.jit(device=True)
     def tf32_round(x):
@@ -67,7 +79,7 @@ if ON_SIMULATOR:
         b = scratch[b_base:b_base + 64].reshape(8, 8).astype(np.float64)
         d = [float(c) for c in (c0, c1, c2, c3)]
         for n, (row, col) in enumerate(((g, 2 * tq), (g, 2 * tq + 1), (g + 8, 2 * tq), (g + 8, 2 * tq + 1))):
-            d[n] = np.float32(d[n] + float(a[row] @ b[:, col]))  # exact tf32 products, fp32 result
+            d[n] = _truncate_to_float32(d[n] + float(a[row] @ b[:, col]))  # exact products, truncated sum
         cuda.syncthreads()  # everyone read the tiles before the next mma overwrites them
         return d[0], d[1], d[2], d[3]
 else:
@@ -120,30 +132,40 @@ _DEVICE = dict(device=True) if ON_SIMULATOR else dict(device=True, forceinline=T
 
 @cuda.jit(**_DEVICE)
 def tf32_split(x):
-    """(hi, lo) tf32 operand bits of finite float32 x: hi = tf32_rna(x), lo ~ tf32_rna(x - hi) (the low 13
-    bits of lo are left for the tensor core to ignore); hi + lo = x to 2^-22 relative.
+    """(hi, lo) tf32 operand bits of finite float32 x: hi = tf32_rna(x), lo = tf32_rna(x - hi), both exact
+    tf32 values (low 13 bits zero: the PTX ISA leaves unspecified how many mantissa bits an mma reads, so
+    nothing is left for the hardware to drop); hi + lo = x to 2^-22 relative.
 
-    Integer rounding (add half a tf32 ulp, mask): 4 instructions for both halves, where sm_90 emulates each
+    Integer rounding (add half a tf32 ulp, mask): 5 instructions for both halves, where sm_90 emulates each
     cvt.rna.tf32.f32 in four. Equal to cvt.rna for finite x below FLT_MAX's last tf32 ulp; inf / NaN in
     give NaN / NaN out (a NaN payload may change), which only NaN rows of the caller ever feed it."""
     hi = (float_bits(x) + uint32(0x1000)) & uint32(TF32_MASK)
-    return hi, float_bits(x - tf32_as_float(hi)) + uint32(0x1000)
+    return hi, (float_bits(x - tf32_as_float(hi)) + uint32(0x1000)) & uint32(TF32_MASK)
 
 
 # ------------------------------------------------------------------------------------------------ GEMM
 class GemmConfig(NamedTuple):
     """Block tile block_m x block_n, K staged block_k at a time; warps_m x warps_n warps, each owning a
-    (block_m / warps_m) x (block_n / warps_n) tile of m16n8 fragments (accumulators in registers)."""
+    (block_m / warps_m) x (block_n / warps_n) tile of m16n8 fragments (accumulators in registers).
+    sum_every: k-steps (of 8) the mma sums in fresh fragments before one FADD into the accumulators (at
+    most block_k / 8 of them: one group per staged chunk); 0 accumulates over all of K inside the mma (half
+    the accumulator registers, error growing with K)."""
     block_m: int = 128
     block_n: int = 128
     block_k: int = 32
     warps_m: int = 2
     warps_n: int = 4
     blocks_per_sm: int = 1
+    sum_every: int = 4
 
     @property
     def threads(self) -> int:
         return WARP * self.warps_m * self.warps_n
+
+    @property
+    def group_steps(self) -> int:
+        """k-steps summed in fresh fragments per FADD into the accumulators (0: no fresh fragments)."""
+        return min(self.sum_every, self.block_k // 8)
 
     @property
     def fragments(self) -> tuple[int, int]:
@@ -166,6 +188,8 @@ class GemmConfig(NamedTuple):
             (self.block_k % 8 == 0 and t % self.block_k == 0 and (self.block_m * self.block_k) % t == 0
              and (self.block_n * self.block_k) % t == 0, "block_k % 8, threads % block_k, tiles * block_k % threads"),
             (b_k_contiguous or t % self.block_n == 0, "N-contiguous B: threads % block_n == 0"),
+            (self.sum_every >= 0 and (self.block_k // 8) % max(1, self.group_steps) == 0,
+             "sum_every >= 0, min(sum_every, block_k / 8) dividing block_k / 8"),
             (4 * sum(self.shared_floats(b_k_contiguous)) + 4 * SIM_SCRATCH_PER_WARP * self.warps_m * self.warps_n
              <= 48 * 1024, "shared memory <= 48 KB"),
         ]
@@ -194,6 +218,8 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool):
     A_SIZE, B_SIZE = config.shared_floats(b_k_contiguous)
     A_LOADS, B_LOADS = BM * BK // T, BN * BK // T
     PRE, ACC, B_FRAGMENTS = A_LOADS + B_LOADS, MI * NI * 4, 2 * NI  # register array sizes (literal constants)
+    STEPS, SUM_EVERY = BK // 8, config.group_steps
+    FRESH = ACC if SUM_EVERY else 1  # the fragments of one group of SUM_EVERY k-steps
     ROWS_PER_LOAD = T // BK                   # K-contiguous tiles: a load step covers this many rows
     K_ROWS_PER_LOAD = T // BN if not b_k_contiguous else 0  # N-contiguous B tile: k rows per load step
     SCRATCH = SIM_SCRATCH_PER_WARP * config.warps_m * WN if ON_SIMULATOR else 1
@@ -251,6 +277,7 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool):
         b_s = cuda.shared.array(B_SIZE, float32)
         scratch = cuda.shared.array(SCRATCH, float32)
         acc = cuda.local.array(ACC, float32)
+        fresh = cuda.local.array(FRESH, float32)
         pre = cuda.local.array(PRE, float32)
         b_hi = cuda.local.array(B_FRAGMENTS, uint32)
         b_lo = cuda.local.array(B_FRAGMENTS, uint32)
@@ -273,8 +300,11 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool):
             cuda.syncthreads()  # tiles stored
             if chunk + 1 < chunks:  # the next chunk's global loads in flight during this chunk's mma
                 load_tiles(a, b, m, n, lda, ldb, m0, n0, k_begin + (chunk + 1) * BK, k_end, pre)
-            for step in range(BK // 8):
+            for step in range(STEPS):
                 kc = step * 8 + tq
+                if SUM_EVERY and step % SUM_EVERY == 0:  # constant after unrolling
+                    for e in range(ACC):
+                        fresh[e] = float32(0.0)
                 for j in range(NI):
                     if b_k_contiguous:
                         base = (wn0 + j * 8 + g) * B_STRIDE + kc
@@ -292,13 +322,23 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool):
                     h3, l3 = tf32_split(at(a_s, base + 8 * A_STRIDE + 4))
                     for j in range(NI):
                         o = (i * NI + j) * 4
+                        if SUM_EVERY:
+                            d0, d1, d2, d3 = fresh[o], fresh[o + 1], fresh[o + 2], fresh[o + 3]
+                        else:
+                            d0, d1, d2, d3 = acc[o], acc[o + 1], acc[o + 2], acc[o + 3]
                         d0, d1, d2, d3 = mma_tf32(l0, l1, l2, l3, b_hi[2 * j], b_hi[2 * j + 1],
-                                                  acc[o], acc[o + 1], acc[o + 2], acc[o + 3], scratch)
+                                                  d0, d1, d2, d3, scratch)
                         d0, d1, d2, d3 = mma_tf32(h0, h1, h2, h3, b_lo[2 * j], b_lo[2 * j + 1],
                                                   d0, d1, d2, d3, scratch)
                         d0, d1, d2, d3 = mma_tf32(h0, h1, h2, h3, b_hi[2 * j], b_hi[2 * j + 1],
                                                   d0, d1, d2, d3, scratch)
-                        acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = d0, d1, d2, d3
+                        if SUM_EVERY:
+                            fresh[o], fresh[o + 1], fresh[o + 2], fresh[o + 3] = d0, d1, d2, d3
+                        else:
+                            acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = d0, d1, d2, d3
+                if SUM_EVERY and (step + 1) % SUM_EVERY == 0:  # round-to-nearest adds, once per group
+                    for e in range(ACC):
+                        acc[e] += fresh[e]
         out0 = cuda.blockIdx.z * m * ldc
         for i in range(MI):
             for j in range(NI):

@@ -2,7 +2,7 @@
 
 sim: toy sizes (every simulated thread is Python), outputs NaN-poisoned and checked fully written, rel 1e-5.
 gpu: Kimi K2 dims (h 64, c 512, r 64) at P = 1024 / 8192 cached rows, a subset of query rows checked on the
-host against float64; max error < 1e-5 of max |o|; agreement with the SIMT kernel (mla_attention).
+host against float64; max error < 2e-6 of max |o|; agreement with the SIMT kernel (mla_attention).
 """
 import numpy as np
 import pytest
@@ -114,6 +114,6 @@ def test_attention_tc_k2_dims(prefix, tokens):
     weights = np.exp(scores - scores.max(axis=2, keepdims=True))
     want = np.einsum("sht,tc->shc", weights / weights.sum(axis=2, keepdims=True), keys[:, :latent])
     error = np.abs(result[check] - want).max() / np.abs(want).max()
-    assert error < 1e-5, error
+    assert error < 2e-6, error  # fresh fragments per k group: the mma's truncating sums stay short
     simt = mla_attention(q_lat_d, q_pe_d, cache_d, prefix, mask, scale).copy_to_host()
     assert np.abs(simt - result).max() < 2e-5 * np.abs(simt).max()
