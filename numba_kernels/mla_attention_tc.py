@@ -2,14 +2,17 @@
 
 Same math and arguments as numba_kernels.mla_attention.mla_attention (see there): rows ρ = i*h + head of the
 s*h query-head pairs share one key/value row per cached token, so attention is two GEMMs around a masked
-softmax, run as four launches like torch's matmul / softmax / matmul:
+softmax (key row t < P visible to all; in-flight row P + j to query i iff bit j of visibility[i]; a query
+that sees no key gets a NaN output):
   1. q_cat [R, c+r] = [q_lat | q_pe] (R = s*h rows; a copy, so the GEMM reads one K-contiguous operand);
-  2. scores [R, t] = scale * q_cat @ cache[:t]^T                     (3xTF32 GEMM, "NT": numba_kernels.mma);
-  3. masked softmax of each row in place -> probabilities (key row t < P visible to all; in-flight row P + j
-     to query i iff bit j of visibility[i]; a query that sees no key gets a NaN row, hence NaN output);
-  4. o_lat [R, c] = probabilities @ cache[:t, :c]                   (3xTF32 GEMM, "NN", optionally split
-     over key ranges into partials that a last launch sums in a fixed order).
-Scratch: R * (c + r + t) floats (+ splits * R * c), allocated on the stream for each call.
+  2. scores [R, t] = scale * q_cat @ cache[:t]^T, masked entries -inf (3xTF32 GEMM, "NT": numba_kernels.mma),
+     its epilogue writing each warp's softmax partial (max, sum of exp) of each row;
+  3. merge_partials_kernel: per row max m and 1 / sum of exp(s - m);
+  4. o_lat [R, c] = exp(scores - m) / sum @ cache[:t, :c]: the value GEMM ("NN") turns scores into
+     probabilities as it loads them (optionally split over key ranges, partials summed in a fixed order).
+fused_softmax=False runs the unfused order instead (plain score GEMM, masked_softmax_kernel in place, plain
+value GEMM).
+Scratch: R * (c + r + t) floats (+ R * parts * 2 + splits * R * c), allocated on the stream for each call.
 Dimension letters: s query tokens, h heads, c kv_lora_rank, r qk_rope_head_dim, t = P + s key rows.
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ from numba import cuda, float32
 from numba_kernels.device_arrays import as_device_array, is_device_array
 from numba_kernels.flat_access import at, at_put
 from numba_kernels.mla_attention import _check_float32, key_visible
-from numba_kernels.mma import DEFAULT_GEMM, GemmConfig, gemm_tf32x3
+from numba_kernels.mma import DEFAULT_GEMM, GemmConfig, gemm_tf32x3, softmax_parts
 from numba_kernels.warp import ON_SIMULATOR, block_max, block_sum, row_blocks
 
 ROW_THREADS = 8 if ON_SIMULATOR else 256  # copy / softmax / sum blocks (power of two: block_max / block_sum)
@@ -32,10 +35,11 @@ MIN_KEYS_PER_SPLIT = 256
 
 class AttentionTcConfig(NamedTuple):
     """GEMM tiles of the score and value products; value_splits: key-range splits of the value GEMM
-    (None: default_value_splits)."""
+    (None: default_value_splits); fused_softmax: softmax folded into the GEMMs (else its own pass)."""
     score: GemmConfig = DEFAULT_GEMM
     value: GemmConfig = DEFAULT_GEMM
     value_splits: Optional[int] = None
+    fused_softmax: bool = True
 
 
 DEFAULT_CONFIG = AttentionTcConfig()
@@ -82,6 +86,25 @@ def masked_softmax_kernel(scores, rows, keys, heads, prefix_len, visibility):
                 at_put(scores, base + j, float32(0.0))
             else:
                 at_put(scores, base + j, math.exp(at(scores, base + j) - row_max) * inv)
+
+
+@cuda.jit
+def merge_partials_kernel(partials, rows, parts, row_stats):
+    """row_stats float32 flat [R * 2] = (max m, 1 / sum of exp(score - m)) of each row from partials flat
+    [R * parts * 2] of (max, sum of exp(score - max)); a row with no visible key gets (-inf, NaN).
+    One thread per row, grid-stride, 1-D."""
+    for row in range(cuda.grid(1), rows, cuda.gridsize(1)):
+        base = row * parts * 2
+        row_max = float32(-math.inf)
+        for part in range(parts):
+            row_max = max(row_max, at(partials, base + 2 * part))
+        total = float32(0.0)
+        for part in range(parts):
+            part_sum = at(partials, base + 2 * part + 1)
+            if part_sum > 0:  # an all-masked part has max -inf: exp(-inf - -inf) would be NaN
+                total += part_sum * math.exp(at(partials, base + 2 * part) - row_max)
+        at_put(row_stats, 2 * row, row_max)
+        at_put(row_stats, 2 * row + 1, float32(1.0) / total if total > 0 else float32(math.nan))
 
 
 @cuda.jit
@@ -169,18 +192,27 @@ def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scal
     q_cat = cuda.device_array((rows, width), dtype=np.float32, stream=stream)
     concat_queries_kernel[row_blocks(rows), ROW_THREADS, stream](q_lat, q_pe, q_cat)
     scores = cuda.device_array((1, rows, keys), dtype=np.float32, stream=stream)
-    gemm_tf32x3(q_cat, cache, scores, keys, width, alpha=scale, b_k_contiguous=True, config=config.score,
-                stream=stream)
-    masked_softmax_kernel[row_blocks(rows), ROW_THREADS, stream](scores.reshape(-1), rows, keys, heads, prefix_len,
-                                                                 visibility)
+    value_gemm = dict(b_k_contiguous=False, config=config.value, stream=stream)
+    if config.fused_softmax:
+        partials = cuda.device_array((rows, softmax_parts(config.score, keys), 2), dtype=np.float32, stream=stream)
+        gemm_tf32x3(q_cat, cache, scores, keys, width, alpha=scale, b_k_contiguous=True, config=config.score,
+                    stream=stream, fusion="scores", partials=partials, visibility=visibility, heads=heads,
+                    prefix_len=prefix_len, key_visible=key_visible)
+        row_stats = cuda.device_array((rows, 2), dtype=np.float32, stream=stream)
+        merge_partials_kernel[min(-(-rows // 128), 1024) if not ON_SIMULATOR else 1, 128 if not ON_SIMULATOR else 8,
+                              stream](partials.reshape(-1), rows, partials.shape[1], row_stats.reshape(-1))
+        value_gemm.update(fusion="probs", row_stats=row_stats)
+    else:
+        gemm_tf32x3(q_cat, cache, scores, keys, width, alpha=scale, b_k_contiguous=True, config=config.score,
+                    stream=stream)
+        masked_softmax_kernel[row_blocks(rows), ROW_THREADS, stream](scores.reshape(-1), rows, keys, heads,
+                                                                     prefix_len, visibility)
     splits = config.value_splits or default_value_splits(rows, keys, latent, config.value)
     if splits == 1:
-        gemm_tf32x3(scores.reshape(rows, keys), cache, out.reshape(1, rows, latent), latent, keys,
-                    b_k_contiguous=False, config=config.value, stream=stream)
+        gemm_tf32x3(scores.reshape(rows, keys), cache, out.reshape(1, rows, latent), latent, keys, **value_gemm)
         return out
     parts = cuda.device_array((splits, rows, latent), dtype=np.float32, stream=stream)
-    gemm_tf32x3(scores.reshape(rows, keys), cache, parts, latent, keys, b_k_contiguous=False, splits=splits,
-                config=config.value, stream=stream)
+    gemm_tf32x3(scores.reshape(rows, keys), cache, parts, latent, keys, splits=splits, **value_gemm)
     size = rows * latent
     sum_splits_kernel[min(-(-size // ROW_THREADS), 4 * 1024) if not ON_SIMULATOR else 1, ROW_THREADS, stream](
         parts.reshape(-1), splits, size, out.reshape(-1))

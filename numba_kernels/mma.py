@@ -20,6 +20,7 @@ gemm_kernel(config, b_k_contiguous) builds the GEMM C = alpha * A @ B for one Ge
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -143,7 +144,32 @@ def tf32_split(x):
     return hi, (float_bits(x - tf32_as_float(hi)) + uint32(0x1000)) & uint32(TF32_MASK)
 
 
+if ON_SIMULATOR:
+    @cuda.jit(device=True)
+    def quad_max_sum(value, is_max, scratch):
+        """Max (is_max) or sum of value over the 4 lanes g*4 .. g*4+3 of a quad, to each of them, via the
+        warp's shared scratch (every thread of the block calls it: it syncs the block)."""
+        tid = cuda.threadIdx.x
+        base = (tid // WARP) * SIM_SCRATCH_PER_WARP + (tid % WARP) // 4 * 4
+        scratch[(tid // WARP) * SIM_SCRATCH_PER_WARP + tid % WARP] = value
+        cuda.syncthreads()
+        quad = [scratch[base + n] for n in range(4)]
+        cuda.syncthreads()
+        return float32(max(quad)) if is_max else float32((quad[0] + quad[1]) + (quad[2] + quad[3]))
+else:
+    @cuda.jit(device=True, forceinline=True)
+    def quad_max_sum(value, is_max, scratch):
+        """Max (is_max) or sum of value over the 4 lanes g*4 .. g*4+3 of a quad, to each of them."""
+        for offset in (1, 2):
+            other = cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
+            value = max(value, other) if is_max else value + other
+        return value
+
+
 # ------------------------------------------------------------------------------------------------ GEMM
+FUSIONS = ("none", "scores", "probs")
+
+
 class GemmConfig(NamedTuple):
     """Block tile block_m x block_n, K staged block_k at a time; warps_m x warps_n warps, each owning a
     (block_m / warps_m) x (block_n / warps_n) tile of m16n8 fragments (accumulators in registers).
@@ -205,10 +231,19 @@ else:
 
 
 @functools.lru_cache(maxsize=None)
-def gemm_kernel(config: GemmConfig, b_k_contiguous: bool):
+def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", key_visible=None):
     """The 3xTF32 GEMM kernel for one config; B K-contiguous ("NT": b[n * ldb + k]) or N-contiguous
-    ("NN": b[k * ldb + n])."""
+    ("NN": b[k * ldb + n]). fusion (softmax around attention's two GEMMs, see gemm_tf32x3x):
+      "none"   plain C = alpha * A @ B;
+      "scores" C entries (i, j) that key_visible(i // heads, j, prefix_len, visibility) rejects (or j >= n)
+               become -inf, and each warp writes its rows' softmax partial (max, sum of exp(c - max)) over
+               its block_n / warps_n columns to partials[i, blockIdx.y * warps_n + warp column, 0 / 1];
+      "probs"  A entries a[i, kk] are read as exp(a - row_stats[i, 0]) * row_stats[i, 1]."""
     config.check(b_k_contiguous)
+    if fusion not in FUSIONS or (fusion == "scores") != (key_visible is not None):
+        raise ValueError(f"fusion must be one of {FUSIONS} (key_visible with 'scores' only), got {fusion!r}")
+    SCORES, PROBS = fusion == "scores", fusion == "probs"
+    from numba_kernels.mla_attention import static_for  # here, not at import: mla_attention may import us
     BM, BN, BK, T = config.block_m, config.block_n, config.block_k, config.threads
     MI, NI = config.fragments
     WN = config.warps_n
@@ -223,10 +258,18 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool):
     ROWS_PER_LOAD = T // BK                   # K-contiguous tiles: a load step covers this many rows
     K_ROWS_PER_LOAD = T // BN if not b_k_contiguous else 0  # N-contiguous B tile: k rows per load step
     SCRATCH = SIM_SCRATCH_PER_WARP * config.warps_m * WN if ON_SIMULATOR else 1
+    ROW_STATS = 2 * BM if PROBS else 1  # the block's rows' (max, 1 / sum) in shared memory
     options = {} if ON_SIMULATOR else dict(launch_bounds=(T, config.blocks_per_sm))
 
     @cuda.jit(**_DEVICE)
-    def load_tiles(a, b, m, n, lda, ldb, m0, n0, k0, k_end, pre):
+    def a_value(a, index, local_row, stats_s):
+        """a[index] (flat), or for "probs" its probability exp(a - row max) / row sum."""
+        if PROBS:
+            return math.exp(at(a, index) - stats_s[2 * local_row]) * stats_s[2 * local_row + 1]
+        return at(a, index)
+
+    @cuda.jit(**_DEVICE)
+    def load_tiles(a, b, m, n, lda, ldb, m0, n0, k0, k_end, pre, stats_s):
         """This thread's elements of the A [BM, BK] and B tiles at k0 into pre (zeros outside)."""
         tid = cuda.threadIdx.x
         row0, col = tid // BK, tid % BK
@@ -235,11 +278,12 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool):
         if k_full and m0 + BM <= m:  # interior tile (block-uniform): no bounds checks
             a_at = (m0 + row0) * lda + k
             for i in range(A_LOADS):
-                pre[i] = at(a, a_at + i * (ROWS_PER_LOAD * lda))
+                pre[i] = a_value(a, a_at + i * (ROWS_PER_LOAD * lda), row0 + ROWS_PER_LOAD * i, stats_s)
         else:
             for i in range(A_LOADS):
                 row = m0 + row0 + ROWS_PER_LOAD * i
-                pre[i] = at(a, row * lda + k) if row < m and k < k_end else float32(0.0)
+                pre[i] = (a_value(a, row * lda + k, row0 + ROWS_PER_LOAD * i, stats_s) if row < m and k < k_end
+                          else float32(0.0))
         if k_full and n0 + BN <= n:
             b_at = (n0 + row0) * ldb + k if b_k_contiguous else (k0 + tid // BN) * ldb + n0 + tid % BN
             b_step = ROWS_PER_LOAD * ldb if b_k_contiguous else K_ROWS_PER_LOAD * ldb
@@ -267,15 +311,50 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool):
             else:
                 at_put(b_s, (tid // BN + K_ROWS_PER_LOAD * i) * B_STRIDE + tid % BN, pre[A_LOADS + i])
 
+    @cuda.jit(**_DEVICE)
+    def score_row(r, args):
+        """"scores" epilogue of this thread's fragment row r (m16 fragment r // 2, half r % 2): scale, -inf
+        where masked, and the warp's partial (max, sum of exp(score - max)) of that row."""
+        acc, alpha, m, n, row0, col0, g, tq, heads, prefix_len, visibility, partials, parts, part, scratch = args
+        i, half = r // 2, r % 2
+        row = row0 + i * 16 + g + 8 * half
+        token = row // heads
+        row_max = float32(-math.inf)
+        for j in range(NI):
+            for u in range(2):
+                o = (i * NI + j) * 4 + 2 * half + u
+                column = col0 + j * 8 + 2 * tq + u
+                value = alpha * acc[o]
+                if row >= m or column >= n or not key_visible(token, column, prefix_len, visibility):
+                    value = float32(-math.inf)
+                acc[o] = value
+                row_max = max(row_max, value)
+        row_max = quad_max_sum(row_max, True, scratch)
+        shift = row_max if row_max > float32(-math.inf) else float32(0.0)  # all masked: sum 0
+        row_sum = float32(0.0)
+        for j in range(NI):
+            for u in range(2):
+                row_sum += math.exp(acc[(i * NI + j) * 4 + 2 * half + u] - shift)
+        row_sum = quad_max_sum(row_sum, False, scratch)
+        if tq == 0 and row < m:
+            at_put(partials, (row * parts + part) * 2, row_max)
+            at_put(partials, (row * parts + part) * 2 + 1, row_sum)
+
+    # a register array stays in registers only with constant indices: one straight-line call per row
+    score_rows = static_for(2 * MI, score_row) if SCORES else None
+
     @cuda.jit(fastmath=False, **options)
-    def gemm_tf32x3(a, b, c, m, n, k, lda, ldb, ldc, alpha, k_per_split):
+    def gemm_tf32x3(a, b, c, m, n, k, lda, ldb, ldc, alpha, k_per_split, row_stats, partials, visibility, heads,
+                    prefix_len):
         """c[z * m * ldc + i * ldc + j] = alpha * sum over kk of split z of a[i * lda + kk] * B(kk, j), for
         i < m, j < n (every such element written); split z = blockIdx.z covers kk in
         [z * k_per_split, min(k, (z + 1) * k_per_split)). a, b, c flat float32. Grid (ceil(m / BM),
-        ceil(n / BN), splits), T threads."""
+        ceil(n / BN), splits), T threads. The last five arguments: see gemm_kernel's fusion (unused ones may be
+        any float32 [1] / float32 [1] / uint32 [1, 1] arrays)."""
         a_s = cuda.shared.array(A_SIZE, float32)
         b_s = cuda.shared.array(B_SIZE, float32)
         scratch = cuda.shared.array(SCRATCH, float32)
+        stats_s = cuda.shared.array(ROW_STATS, float32)
         acc = cuda.local.array(ACC, float32)
         fresh = cuda.local.array(FRESH, float32)
         pre = cuda.local.array(PRE, float32)
@@ -292,14 +371,18 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool):
         for e in range(ACC):
             acc[e] = float32(0.0)
         chunks = (max(k_end - k_begin, 0) + BK - 1) // BK
+        if PROBS:
+            for e in range(tid, 2 * BM, T):
+                stats_s[e] = at(row_stats, 2 * m0 + e) if m0 + e // 2 < m else float32(0.0)
+            cuda.syncthreads()  # row stats in place before the first A loads
         if chunks > 0:
-            load_tiles(a, b, m, n, lda, ldb, m0, n0, k_begin, k_end, pre)
+            load_tiles(a, b, m, n, lda, ldb, m0, n0, k_begin, k_end, pre, stats_s)
         for chunk in range(chunks):
             cuda.syncthreads()  # every warp done reading the previous chunk's tiles
             store_tiles(pre, a_s, b_s)
             cuda.syncthreads()  # tiles stored
             if chunk + 1 < chunks:  # the next chunk's global loads in flight during this chunk's mma
-                load_tiles(a, b, m, n, lda, ldb, m0, n0, k_begin + (chunk + 1) * BK, k_end, pre)
+                load_tiles(a, b, m, n, lda, ldb, m0, n0, k_begin + (chunk + 1) * BK, k_end, pre, stats_s)
             for step in range(STEPS):
                 kc = step * 8 + tq
                 if SUM_EVERY and step % SUM_EVERY == 0:  # constant after unrolling
@@ -340,6 +423,10 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool):
                     for e in range(ACC):
                         acc[e] += fresh[e]
         out0 = cuda.blockIdx.z * m * ldc
+        if SCORES:  # scale, mask, and this warp's softmax partial of each of its rows
+            score_rows((acc, alpha, m, n, m0 + wm0, n0 + wn0, g, tq, heads, prefix_len, visibility, partials,
+                        cuda.gridDim.y * WN, cuda.blockIdx.y * WN + warp % WN, scratch))
+            alpha = float32(1.0)  # already applied
         for i in range(MI):
             for j in range(NI):
                 o = (i * NI + j) * 4
@@ -359,12 +446,31 @@ def gemm_grid(config: GemmConfig, m: int, n: int, splits: int = 1) -> tuple[int,
     return (-(-m // config.block_m), -(-n // config.block_n), splits)
 
 
+_UNUSED = {}
+
+
+def _unused_arrays():
+    """float32 [1], float32 [1], uint32 [1, 1] device arrays for the fusion arguments a launch ignores."""
+    if not _UNUSED:
+        _UNUSED["arrays"] = (cuda.to_device(np.zeros(1, np.float32)), cuda.to_device(np.zeros(1, np.float32)),
+                             cuda.to_device(np.zeros((1, 1), np.uint32)))
+    return _UNUSED["arrays"]
+
+
+def softmax_parts(config: GemmConfig, n: int) -> int:
+    """Softmax partials per row that a "scores" GEMM over n columns writes."""
+    return -(-n // config.block_n) * config.warps_n
+
+
 def gemm_tf32x3(a, b, c, n: int, k: int, alpha: float = 1.0, b_k_contiguous: bool = True, splits: int = 1,
-                config: GemmConfig = DEFAULT_GEMM, stream=0):
+                config: GemmConfig = DEFAULT_GEMM, stream=0, fusion: str = "none", row_stats=None, partials=None,
+                visibility=None, heads: int = 1, prefix_len: int = 0, key_visible=None):
     """c[z, i, j] = alpha * sum over split z's k range of a[i, kk] * B(kk, j), i < m, j < n (the rest of c
     untouched). Device arrays, C-contiguous float32: a [m, lda >= k]; b [>= n, ldb >= k] with B(kk, j) =
     b[j, kk] (b_k_contiguous) or [>= k, ldb >= n] with B(kk, j) = b[kk, j]; c [splits, m, ldc >= n].
-    The k range is split in `splits` parts of whole block_k chunks (a trailing split may be empty: zeros)."""
+    The k range is split in `splits` parts of whole block_k chunks (a trailing split may be empty: zeros).
+    Softmax fusions (gemm_kernel): "scores" needs partials float32 [m, softmax_parts(config, n), 2],
+    visibility uint32 [s, words], heads, prefix_len, key_visible; "probs" needs row_stats float32 [m, 2]."""
     for name, array in (("a", a), ("b", b), ("c", c)):
         if array.dtype != np.float32 or not array.is_c_contiguous():
             raise ValueError(f"{name} must be a C-contiguous float32 device array, got {array.dtype}")
@@ -381,7 +487,19 @@ def gemm_tf32x3(a, b, c, n: int, k: int, alpha: float = 1.0, b_k_contiguous: boo
     k_per_split = -(-k_per_split // config.block_k) * config.block_k
     if m == 0 or n == 0:
         return c
-    kernel = gemm_kernel(config, bool(b_k_contiguous))
+    unused_stats, unused_partials, unused_visibility = _unused_arrays()
+    if fusion == "scores":
+        if splits != 1 or partials is None or tuple(partials.shape) != (m, softmax_parts(config, n), 2):
+            raise ValueError(f"'scores' needs splits 1 and partials [{m}, {softmax_parts(config, n)}, 2]")
+        row_stats = unused_stats
+    elif fusion == "probs":
+        if row_stats is None or tuple(row_stats.shape) != (m, 2):
+            raise ValueError(f"'probs' needs row_stats [{m}, 2]")
+        partials, visibility = unused_partials, unused_visibility
+    else:
+        row_stats, partials, visibility = unused_stats, unused_partials, unused_visibility
+    kernel = gemm_kernel(config, bool(b_k_contiguous), fusion, key_visible if fusion == "scores" else None)
     kernel[gemm_grid(config, m, n, splits), config.threads, stream](
-        a.reshape(-1), b.reshape(-1), c.reshape(-1), m, n, k, lda, ldb, c.shape[2], np.float32(alpha), k_per_split)
+        a.reshape(-1), b.reshape(-1), c.reshape(-1), m, n, k, lda, ldb, c.shape[2], np.float32(alpha), k_per_split,
+        row_stats.reshape(-1), partials.reshape(-1), visibility, heads, prefix_len)
     return c

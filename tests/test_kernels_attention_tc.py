@@ -37,30 +37,34 @@ def assert_close(actual, expected, rtol=RTOL):
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("tokens, heads, latent, rope, prefix, causal, splits", [
-    (5, 2, 16, 4, 0, True, 1),      # prefill: causal mask, no prefix
-    (6, 3, 13, 3, 11, False, 1),    # random tree over a prefix, ragged dims
-    (5, 2, 16, 4, 23, False, 2),    # split value GEMM, partials summed
+@pytest.mark.parametrize("tokens, heads, latent, rope, prefix, causal, splits, fused", [
+    (5, 2, 16, 4, 0, True, 1, True),      # prefill: causal mask, no prefix
+    (6, 3, 13, 3, 11, False, 1, True),    # random tree over a prefix, ragged dims
+    (5, 2, 16, 4, 23, False, 2, True),    # split value GEMM, partials summed
+    (6, 3, 13, 3, 11, False, 1, False),   # unfused: softmax as its own pass
+    (4, 2, 8, 2, 37, False, 1, True),     # 3 score column blocks: softmax partials merged across blocks
 ])
-def test_attention_tc_matches_float64(tokens, heads, latent, rope, prefix, causal, splits):
+def test_attention_tc_matches_float64(tokens, heads, latent, rope, prefix, causal, splits, fused):
     rng = np.random.default_rng(tokens * 100 + prefix)
     q_lat, q_pe, cache = make_inputs(rng, tokens, heads, latent, rope, prefix)
     visible = np.tri(tokens, dtype=bool) if causal else random_tree_visibility(tokens, rng)
     out = cuda.to_device(np.full((tokens, heads, latent), np.nan, np.float32))
     result = mla_attention_tc(q_lat, q_pe, cache, prefix, pack_visibility(visible), 0.3, out=out,
-                              config=AttentionTcConfig(value_splits=splits)).copy_to_host()
+                              config=AttentionTcConfig(value_splits=splits, fused_softmax=fused)).copy_to_host()
     assert_close(result, reference(q_lat, q_pe, cache, prefix, visible, 0.3))
 
 
 @pytest.mark.sim
-def test_attention_tc_masked_keys_get_no_weight_and_blind_query_is_nan():
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_tc_masked_keys_get_no_weight_and_blind_query_is_nan(fused):
     """A huge value in a key row a query must not see would dominate its output if the mask leaked; a
     query that sees nothing (device mask, P = 0) gets NaN, like the SIMT kernel."""
     rng = np.random.default_rng(7)
     q_lat, q_pe, cache = make_inputs(rng, 3, 2, 8, 2, 0)
     visible = np.array([[1, 0, 0], [1, 1, 0], [0, 0, 0]], bool)
     cache[1, :8] = 1e4  # row 1 is invisible to query 0
-    out = mla_attention_tc(q_lat, q_pe, cache, 0, cuda.to_device(pack_visibility(visible)), 0.5).copy_to_host()
+    out = mla_attention_tc(q_lat, q_pe, cache, 0, cuda.to_device(pack_visibility(visible)), 0.5,
+                           config=AttentionTcConfig(fused_softmax=fused)).copy_to_host()
     want = reference(q_lat[:2], q_pe[:2], cache, 0, visible[:2, :2], 0.5)
     assert_close(out[:2], want)
     assert np.isnan(out[2]).all()
