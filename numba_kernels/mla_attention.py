@@ -449,35 +449,29 @@ def _check_float32(name, array, shape):
         raise ValueError(f"{name} must be float32 {list(shape)}, got {array.dtype} {list(array.shape)}")
 
 
-def mla_attention(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: float, out=None,
-                  num_splits: int | None = None, stream=0, config: TileConfig | None = None):
-    """o_lat float32 [s, h, c] (device) of the absorbed MLA core.
-
-    q_lat float32 [s, h, c] (q_nope @ W_UK); q_pe float32 [s, h, r] (roped; strided views are fine);
-    cache_layer float32 [t, c+r] (rows [normed latent | roped k_pe]; the s in-flight rows at P..P+s-1);
-    prefix_len P; visibility uint32 [s, ceil(s/32)] (pack_visibility / causal_visibility); scale: softmax
-    scale. num_splits: key-range splits (None: default_num_splits); config: tile sizes (None: DEFAULT_CONFIG, or
-    FEW_TOKENS_CONFIG below FEW_TOKENS query tokens). A numpy mask is checked for queries
-    that see no row; on the device such a query's output is NaN.
-    """
+def checked_inputs(q_lat, q_pe, cache_layer, prefix_len: int, visibility, out, stream, *, latent_limits: bool,
+                   contiguous_cache: bool):
+    """The argument rules every attention path shares; returns device (q_lat, q_pe, cache_layer, visibility,
+    out), out allocated when None. latent_limits: c <= MAX_LATENT and r <= MAX_ROPE (register tiles);
+    contiguous_cache: the path reads the cache as a flat array. A numpy mask is checked for queries that see
+    no row (P = 0); a device mask is not (such a query's output is NaN)."""
     q_lat, q_pe, cache_layer = as_device_array(q_lat), as_device_array(q_pe), as_device_array(cache_layer)
     if len(q_lat.shape) != 3:
         raise ValueError(f"q_lat must be float32 [s, h, c], got shape {list(q_lat.shape)}")
     tokens, heads, latent = q_lat.shape
-    if config is None:
-        config = FEW_TOKENS_CONFIG if tokens < FEW_TOKENS else DEFAULT_CONFIG
     _check_float32("q_lat", q_lat, q_lat.shape)
     if len(q_pe.shape) != 3 or tuple(q_pe.shape[:2]) != (tokens, heads):
         raise ValueError(f"q_pe must be float32 [{tokens}, {heads}, r], got shape {list(q_pe.shape)}")
     rope = q_pe.shape[2]
     _check_float32("q_pe", q_pe, q_pe.shape)
-    if latent > MAX_LATENT or rope > MAX_ROPE:
+    if latent_limits and (latent > MAX_LATENT or rope > MAX_ROPE):
         raise ValueError(f"c={latent}, r={rope} exceed the kernel's MAX_LATENT={MAX_LATENT}, MAX_ROPE={MAX_ROPE}")
     if len(cache_layer.shape) != 2 or cache_layer.shape[1] != latent + rope or cache_layer.dtype != np.float32:
         raise ValueError(f"cache_layer must be float32 [t, {latent + rope}], got {cache_layer.dtype} "
                          f"{list(cache_layer.shape)}")
-    total_keys = prefix_len + tokens
-    if prefix_len < 0 or total_keys > cache_layer.shape[0]:
+    if contiguous_cache and not cache_layer.is_c_contiguous():
+        raise ValueError("cache_layer must be C-contiguous (the kernel reads it as a flat array)")
+    if prefix_len < 0 or prefix_len + tokens > cache_layer.shape[0]:
         raise ValueError(f"prefix_len {prefix_len} + {tokens} in-flight rows do not fit the cache of "
                          f"{cache_layer.shape[0]} rows")
     words = max(1, (tokens + 31) // 32)
@@ -498,6 +492,49 @@ def mla_attention(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: 
     _check_float32("out", out, (tokens, heads, latent))
     if not out.is_c_contiguous():
         raise ValueError("out must be C-contiguous (the kernel writes it as a flat array)")
+    return q_lat, q_pe, cache_layer, visibility, out
+
+
+def attention_path(tokens: int, heads: int) -> str:
+    """Which kernel mla_attention runs for s query tokens of h heads: "decode" (few tokens:
+    numba_kernels/mla_attention_decode.py), "tensor_cores" (many rows on sm_80+: 3xTF32 GEMMs,
+    numba_kernels/mla_attention_tc.py) or "simt" (this module's kernel: older GPUs, explicit configs)."""
+    if tokens < FEW_TOKENS:
+        return "decode"
+    if ON_SIMULATOR or cuda.get_current_device().compute_capability >= (8, 0):
+        return "tensor_cores"
+    return "simt"
+
+
+def mla_attention(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: float, out=None,
+                  num_splits: int | None = None, stream=0, config: TileConfig | None = None):
+    """o_lat float32 [s, h, c] (device) of the absorbed MLA core.
+
+    q_lat float32 [s, h, c] (q_nope @ W_UK); q_pe float32 [s, h, r] (roped; strided views are fine);
+    cache_layer float32 [t, c+r] (rows [normed latent | roped k_pe]; the s in-flight rows at P..P+s-1);
+    prefix_len P; visibility uint32 [s, ceil(s/32)] (pack_visibility / causal_visibility); scale: softmax
+    scale. Without num_splits and config the kernel is attention_path's choice; with either, this module's
+    SIMT kernel (num_splits: key-range splits, None: default_num_splits; config: tile sizes, None:
+    DEFAULT_CONFIG, or FEW_TOKENS_CONFIG below FEW_TOKENS query tokens). A numpy mask is checked for queries
+    that see no row; on the device such a query's output is NaN.
+    """
+    if num_splits is None and config is None and len(getattr(q_lat, "shape", ())) == 3:
+        # imported here: both path modules import this one (checks, masks, the split merge)
+        path = attention_path(q_lat.shape[0], q_lat.shape[1])
+        if path == "decode":
+            from numba_kernels.mla_attention_decode import mla_attention_decode
+            return mla_attention_decode(q_lat, q_pe, cache_layer, prefix_len, visibility, scale, out=out,
+                                        stream=stream)
+        if path == "tensor_cores":
+            from numba_kernels.mla_attention_tc import mla_attention_tc
+            return mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len, visibility, scale, out=out, stream=stream)
+    q_lat, q_pe, cache_layer, visibility, out = checked_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility,
+                                                               out, stream, latent_limits=True,
+                                                               contiguous_cache=False)
+    tokens, heads, latent = q_lat.shape
+    if config is None:
+        config = FEW_TOKENS_CONFIG if tokens < FEW_TOKENS else DEFAULT_CONFIG
+    total_keys = prefix_len + tokens
     rows = tokens * heads
     if rows == 0 or latent == 0:
         return out

@@ -30,9 +30,8 @@ import numpy as np
 from numba import cuda, float32
 
 from numba_kernels.flat_access import at, at_put
-from numba_kernels.mla_attention import (INLINE_DEVICE, MAX_LATENT, MAX_ROPE, MAX_WIDTH, MERGE_THREADS, SHARED_LIMIT,
-                                         _check_float32, key_visible, merge_splits_kernel, static_for)
-from numba_kernels.rmsnorm import as_device_array, is_device_array
+from numba_kernels.mla_attention import (INLINE_DEVICE, MAX_LATENT, MAX_WIDTH, MERGE_THREADS, SHARED_LIMIT,
+                                         checked_inputs, key_visible, merge_splits_kernel, static_for)
 from numba_kernels.warp import FULL_MASK, ON_SIMULATOR, row_blocks
 
 MAX_TOKENS = 32  # query tokens per call (one visibility word); more: numba_kernels/mla_attention.py
@@ -399,43 +398,6 @@ def decode_num_splits(row_groups: int, total_keys: int, config: DecodeConfig = D
     return next(splits for splits in range(1, most + 1) if efficiency(splits) >= 0.98 * best)
 
 
-def _check_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility):
-    """The argument rules of mla_attention.mla_attention plus tokens <= MAX_TOKENS and a C-contiguous cache;
-    returns the device visibility."""
-    if len(q_lat.shape) != 3:
-        raise ValueError(f"q_lat must be float32 [s, h, c], got shape {list(q_lat.shape)}")
-    tokens, heads, latent = q_lat.shape
-    _check_float32("q_lat", q_lat, q_lat.shape)
-    if tokens > MAX_TOKENS:
-        raise ValueError(f"{tokens} query tokens: the decode kernel takes at most {MAX_TOKENS} "
-                         "(use mla_attention.mla_attention)")
-    if len(q_pe.shape) != 3 or tuple(q_pe.shape[:2]) != (tokens, heads):
-        raise ValueError(f"q_pe must be float32 [{tokens}, {heads}, r], got shape {list(q_pe.shape)}")
-    rope = q_pe.shape[2]
-    _check_float32("q_pe", q_pe, q_pe.shape)
-    if latent > MAX_LATENT or rope > MAX_ROPE:
-        raise ValueError(f"c={latent}, r={rope} exceed the kernel's MAX_LATENT={MAX_LATENT}, MAX_ROPE={MAX_ROPE}")
-    if len(cache_layer.shape) != 2 or cache_layer.shape[1] != latent + rope or cache_layer.dtype != np.float32:
-        raise ValueError(f"cache_layer must be float32 [t, {latent + rope}], got {cache_layer.dtype} "
-                         f"{list(cache_layer.shape)}")
-    if not cache_layer.is_c_contiguous():
-        raise ValueError("cache_layer must be C-contiguous (the kernel reads it as a flat array)")
-    if prefix_len < 0 or prefix_len + tokens > cache_layer.shape[0]:
-        raise ValueError(f"prefix_len {prefix_len} + {tokens} in-flight rows do not fit the cache of "
-                         f"{cache_layer.shape[0]} rows")
-    if not is_device_array(visibility):
-        visibility = np.asarray(visibility)
-        if visibility.dtype == np.uint32 and visibility.shape == (tokens, 1) and prefix_len == 0:
-            in_flight = (visibility[:, 0:1] >> np.arange(32, dtype=np.uint32)) & 1
-            sees = in_flight[:, :tokens].any(axis=1)
-            if not sees.all():
-                raise ValueError(f"query {int(np.flatnonzero(~sees)[0])} sees no key row (P = 0, empty mask row)")
-    visibility = as_device_array(visibility)
-    if visibility.dtype != np.uint32 or tuple(visibility.shape) != (tokens, 1):
-        raise ValueError(f"visibility must be uint32 [{tokens}, 1], got {visibility.dtype} {list(visibility.shape)}")
-    return visibility
-
-
 def mla_attention_decode(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: float, out=None,
                          num_splits: int | None = None, stream=0, config: DecodeConfig | None = None):
     """o_lat float32 [s, h, c] (device) of the absorbed MLA core for s <= MAX_TOKENS query tokens.
@@ -446,15 +408,13 @@ def mla_attention_decode(q_lat, q_pe, cache_layer, prefix_len: int, visibility, 
     decode_num_splits); config: DecodeConfig (None: DEFAULT_CONFIG). A query that sees no key row gets NaN.
     """
     config = DEFAULT_CONFIG if config is None else config
-    q_lat, q_pe, cache_layer = as_device_array(q_lat), as_device_array(q_pe), as_device_array(cache_layer)
-    visibility = _check_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility)
+    if len(getattr(q_lat, "shape", ())) == 3 and q_lat.shape[0] > MAX_TOKENS:
+        raise ValueError(f"{q_lat.shape[0]} query tokens: the decode kernel takes at most {MAX_TOKENS} "
+                         "(use mla_attention.mla_attention)")
+    q_lat, q_pe, cache_layer, visibility, out = checked_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility,
+                                                               out, stream, latent_limits=True,
+                                                               contiguous_cache=True)
     tokens, heads, latent = q_lat.shape
-    if out is None:
-        out = cuda.device_array((tokens, heads, latent), dtype=np.float32, stream=stream)
-    out = as_device_array(out)
-    _check_float32("out", out, (tokens, heads, latent))
-    if not out.is_c_contiguous():
-        raise ValueError("out must be C-contiguous (the kernel writes it as a flat array)")
     rows = tokens * heads
     if rows == 0 or latent == 0:
         return out

@@ -23,9 +23,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 from numba import cuda, float32
 
-from numba_kernels.device_arrays import as_device_array, is_device_array
 from numba_kernels.flat_access import at, at_put
-from numba_kernels.mla_attention import _check_float32, key_visible
+from numba_kernels.mla_attention import checked_inputs, key_visible
 from numba_kernels.mma import DEFAULT_GEMM, GemmConfig, gemm_tf32x3, softmax_parts
 from numba_kernels.warp import ON_SIMULATOR, block_max, block_sum, row_blocks
 
@@ -134,45 +133,6 @@ def default_value_splits(rows: int, keys: int, latent: int, config: GemmConfig, 
     return next(splits for splits in range(1, most + 1) if efficiency(splits) >= 0.98 * best)
 
 
-def _checked_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility, out, stream):
-    """The device arrays (q_lat, q_pe, cache, visibility, out) after mla_attention's argument rules."""
-    q_lat, q_pe, cache_layer = as_device_array(q_lat), as_device_array(q_pe), as_device_array(cache_layer)
-    if len(q_lat.shape) != 3:
-        raise ValueError(f"q_lat must be float32 [s, h, c], got shape {list(q_lat.shape)}")
-    tokens, heads, latent = q_lat.shape
-    _check_float32("q_lat", q_lat, q_lat.shape)
-    if len(q_pe.shape) != 3 or tuple(q_pe.shape[:2]) != (tokens, heads):
-        raise ValueError(f"q_pe must be float32 [{tokens}, {heads}, r], got shape {list(q_pe.shape)}")
-    _check_float32("q_pe", q_pe, q_pe.shape)
-    width = latent + q_pe.shape[2]
-    if len(cache_layer.shape) != 2 or cache_layer.shape[1] != width or cache_layer.dtype != np.float32:
-        raise ValueError(f"cache_layer must be float32 [t, {width}], got {cache_layer.dtype} {list(cache_layer.shape)}")
-    if not cache_layer.is_c_contiguous():
-        raise ValueError("cache_layer must be C-contiguous (the GEMMs read it as a flat array)")
-    if prefix_len < 0 or prefix_len + tokens > cache_layer.shape[0]:
-        raise ValueError(f"prefix_len {prefix_len} + {tokens} in-flight rows do not fit the cache of "
-                         f"{cache_layer.shape[0]} rows")
-    words = max(1, (tokens + 31) // 32)
-    if not is_device_array(visibility):
-        visibility = np.asarray(visibility)
-        if visibility.dtype == np.uint32 and visibility.shape == (tokens, words) and prefix_len == 0:
-            bits = (visibility[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
-            sees = bits.reshape(tokens, -1)[:, :tokens].any(axis=1)
-            if not sees.all():
-                raise ValueError(f"query {int(np.flatnonzero(~sees)[0])} sees no key row (P = 0, empty mask row)")
-    visibility = as_device_array(visibility)
-    if visibility.dtype != np.uint32 or tuple(visibility.shape) != (tokens, words):
-        raise ValueError(f"visibility must be uint32 [{tokens}, {words}], got {visibility.dtype} "
-                         f"{list(visibility.shape)}")
-    if out is None:
-        out = cuda.device_array((tokens, heads, latent), dtype=np.float32, stream=stream)
-    out = as_device_array(out)
-    _check_float32("out", out, (tokens, heads, latent))
-    if not out.is_c_contiguous():
-        raise ValueError("out must be C-contiguous (the kernel writes it as a flat array)")
-    return q_lat, q_pe, cache_layer, visibility, out
-
-
 def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: float, out=None, stream=0,
                      config: AttentionTcConfig | None = None):
     """o_lat float32 [s, h, c] (device) of the absorbed MLA core, on the tensor cores (3xTF32).
@@ -182,8 +142,8 @@ def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scal
     visibility uint32 [s, ceil(s/32)] (mla_attention.pack_visibility / causal_visibility); scale: softmax
     scale. A numpy mask is checked for queries that see no row; on the device such a query's output is NaN.
     """
-    q_lat, q_pe, cache, visibility, out = _checked_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility, out,
-                                                          stream)
+    q_lat, q_pe, cache, visibility, out = checked_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility, out,
+                                                         stream, latent_limits=False, contiguous_cache=True)
     config = DEFAULT_CONFIG if config is None else config
     tokens, heads, latent = q_lat.shape
     width, rows, keys = latent + q_pe.shape[2], tokens * heads, prefix_len + tokens

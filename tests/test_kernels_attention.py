@@ -13,8 +13,8 @@ from engine import reference as ref
 from engine.config import PRESETS
 from numba_kernels.embedding import embed_tokens
 from numba_kernels.kv_write import write_kv_rows
-from numba_kernels.mla_attention import (DEFAULT_CONFIG, MAX_LATENT, MIN_KEYS_PER_SPLIT, TileConfig, causal_visibility,
-                                         default_num_splits, mla_attention, pack_visibility)
+from numba_kernels.mla_attention import (DEFAULT_CONFIG, MAX_LATENT, MIN_KEYS_PER_SPLIT, TileConfig, attention_path,
+                                         causal_visibility, default_num_splits, mla_attention, pack_visibility)
 from numba_kernels.rmsnorm import add_rms_norm, rms_norm
 from numba_kernels.rope import apply_rope, rope_table
 from numba_kernels.warp import ON_SIMULATOR
@@ -324,3 +324,17 @@ def test_attention_rejects_bad_inputs():
     with pytest.raises(ValueError, match="MAX_LATENT"):
         mla_attention(np.zeros((1, 1, 4096), np.float32), q_pe[:1], np.zeros((2, 4098), np.float32), 0,
                       causal_visibility(1), 1.0)
+
+
+def test_attention_path_by_token_count():
+    assert attention_path(1, 64) == attention_path(15, 64) == "decode"
+    assert attention_path(16, 64) == attention_path(300, 2) == "tensor_cores"  # the simulator models sm_80+
+
+
+@pytest.mark.parametrize("tokens, prefix", [(3, 17), (18, 5)])
+def test_mla_attention_without_config_runs_its_path_and_matches_reference(tokens, prefix):
+    # the public entry point as the engine calls it (no config, no splits): decode kernel / tensor-core GEMMs
+    rng = np.random.default_rng(30 + tokens)
+    visible = random_tree_visibility(rng, tokens)
+    out, expected = run_attention(rng, tokens, 2, 16, 4, prefix, visible, num_splits=None, config=None)
+    assert_close(out, expected)
