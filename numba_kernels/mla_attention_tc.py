@@ -21,7 +21,7 @@ import math
 from typing import NamedTuple, Optional
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from numba_kernels.flat_access import at, at_put
 from numba_kernels.mla_attention import checked_inputs, key_visible
@@ -116,6 +116,22 @@ def sum_splits_kernel(parts, splits, size, out):
         at_put(out, e, total)
 
 
+@cuda.jit
+def nan_blind_queries_kernel(visibility, tokens, out):
+    """out float32 [s, h, c]: NaN for every query token whose visibility row sees none of the s in-flight rows
+    (only possible when P = 0). The GEMMs cannot be trusted to carry a NaN row through (the H200's mma gave
+    0 for NaN operands), so the "sees nothing" result is written explicitly. Grid (row_blocks(s),)."""
+    heads, latent = out.shape[1], out.shape[2]
+    for token in range(cuda.blockIdx.x, tokens, cuda.gridDim.x):
+        sees = False
+        for j in range(tokens):
+            if (visibility[token, j >> 5] >> uint32(j & 31)) & uint32(1) != uint32(0):
+                sees = True
+        if not sees:
+            for e in range(cuda.threadIdx.x, heads * latent, cuda.blockDim.x):
+                out[token, e // latent, e % latent] = float32(math.nan)
+
+
 def default_value_splits(rows: int, keys: int, latent: int, config: GemmConfig, sms: int | None = None) -> int:
     """Key-range splits of the value GEMM whose blocks fill the SMs best (the fewest within 2% of the best
     wave efficiency, up to two waves), at least MIN_KEYS_PER_SPLIT keys each."""
@@ -170,10 +186,12 @@ def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scal
     splits = config.value_splits or default_value_splits(rows, keys, latent, config.value)
     if splits == 1:
         gemm_tf32x3(scores.reshape(rows, keys), cache, out.reshape(1, rows, latent), latent, keys, **value_gemm)
-        return out
-    parts = cuda.device_array((splits, rows, latent), dtype=np.float32, stream=stream)
-    gemm_tf32x3(scores.reshape(rows, keys), cache, parts, latent, keys, splits=splits, **value_gemm)
-    size = rows * latent
-    sum_splits_kernel[min(-(-size // ROW_THREADS), 4 * 1024) if not ON_SIMULATOR else 1, ROW_THREADS, stream](
-        parts.reshape(-1), splits, size, out.reshape(-1))
+    else:
+        parts = cuda.device_array((splits, rows, latent), dtype=np.float32, stream=stream)
+        gemm_tf32x3(scores.reshape(rows, keys), cache, parts, latent, keys, splits=splits, **value_gemm)
+        size = rows * latent
+        sum_splits_kernel[min(-(-size // ROW_THREADS), 4 * 1024) if not ON_SIMULATOR else 1, ROW_THREADS, stream](
+            parts.reshape(-1), splits, size, out.reshape(-1))
+    if prefix_len == 0:  # only then can a query see no key row
+        nan_blind_queries_kernel[row_blocks(tokens), ROW_THREADS, stream](visibility, tokens, out)
     return out
