@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from kernel_checks import assert_close as check_close, normal, poisoned
 from engine import reference as ref
 from engine.config import PRESETS
 from numba_kernels.embedding import embed_tokens
@@ -21,22 +22,11 @@ from numba_kernels.warp import ON_SIMULATOR
 
 pytestmark = pytest.mark.sim
 RTOL = 1e-5
-MAX_O_COLS = 8  # any o_cols: default_num_splits only reads rows and blocks_per_sm
 
 
 def assert_close(actual, expected, rtol=RTOL):
-    """Elementwise rtol, with an absolute floor of rtol * max|expected| for entries near zero."""
-    assert np.isfinite(actual).all(), "output not fully written (NaN poison left) or non-finite"
-    scale = max(float(np.abs(expected).max()), 1e-30)
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
-
-
-def poisoned(shape):
-    return cuda.to_device(np.full(shape, np.nan, dtype=np.float32))
-
-
-def normal(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
+    check_close(actual, expected, rtol)
+MAX_O_COLS = 8  # any o_cols: default_num_splits only reads rows and blocks_per_sm
 
 
 # ------------------------------------------------------------------------------------------ RMSNorm

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from kernel_checks import assert_close as check_close, normal, poisoned
 from engine.reference_layers import mla_attention_latent
-from numba_kernels.mla_attention import MAX_LATENT, MAX_ROPE, mla_attention, pack_visibility
+from numba_kernels.mla_attention import MAX_LATENT, mla_attention, pack_visibility
 from numba_kernels.mla_attention_decode import (DEFAULT_CONFIG, MAX_TOKENS, DecodeConfig, decode_num_splits,
                                                 mla_attention_decode)
 from numba_kernels.warp import ON_SIMULATOR
@@ -19,18 +20,7 @@ RTOL = 1e-5
 
 
 def assert_close(actual, expected, rtol=RTOL):
-    """Elementwise rtol, with an absolute floor of rtol * max|expected| for entries near zero."""
-    assert np.isfinite(actual).all(), "output not fully written (NaN poison left) or non-finite"
-    scale = max(float(np.abs(expected).max()), 1e-30)
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
-
-
-def poisoned(shape):
-    return cuda.to_device(np.full(shape, np.nan, dtype=np.float32))
-
-
-def normal(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
+    check_close(actual, expected, rtol)
 
 
 def random_tree_visibility(rng, tokens):

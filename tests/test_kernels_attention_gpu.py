@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from kernel_checks import assert_close as check_close, normal, poisoned
 from engine import reference as ref
 from engine.config import PRESETS
 from numba_kernels.embedding import embed_tokens
@@ -17,21 +18,13 @@ from numba_kernels.rope import apply_rope, rope_table
 
 pytestmark = pytest.mark.gpu
 RTOL = 1e-4
+
+
 K2 = PRESETS["k2-mini"]  # Kimi K2 attention dims: h 64, c 512, r 64, nope 128, YaRN factor 32
 
 
 def assert_close(actual, expected, rtol=RTOL):
-    assert np.isfinite(actual).all(), "output not fully written (NaN poison left) or non-finite"
-    scale = max(float(np.abs(expected).max()), 1e-30)
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
-
-
-def poisoned(shape):
-    return cuda.to_device(np.full(shape, np.nan, dtype=np.float32))
-
-
-def normal(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
+    check_close(actual, expected, rtol)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from kernel_checks import assert_close as check_close
 from engine.reference_layers import mla_attention_latent
 from kdtree_tui.benchmarks.attention import random_tree_visibility
 from numba_kernels.mla_attention import mla_attention, pack_visibility
@@ -32,8 +33,7 @@ def reference(q_lat, q_pe, cache, prefix, visible, scale):
 
 
 def assert_close(actual, expected, rtol=RTOL):
-    assert np.isfinite(actual).all(), "output not fully written (NaN poison left) or non-finite"
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * np.abs(expected).max())
+    check_close(actual, expected, rtol)
 
 
 @pytest.mark.sim
