@@ -6,6 +6,10 @@ For query token i, head h (a "row" ρ = i*h_count + h of the s*h query-head pair
 Row t < P (prefix_len) is visible to all; in-flight row P + j is visible to query i when bit j of
 visibility[i] is set (word j // 32, bit j % 32). Causal prefill is the lower-triangular mask, AR decode s = 1.
 
+mla_attention() is the entry point of all attention kernels: attention_path() sends few query tokens to
+mla_attention_decode.py and many rows (on sm_80+) to mla_attention_tc.py (tensor cores); this module's own
+kernel, below, runs on older GPUs or when a TileConfig / split count is given.
+
 All heads share one key/value row per cached token (multi-query attention), so this is a flash-attention
 forward of two fp32 GEMMs, S = Q[ρ, c+r] K[t, c+r]^T and O = softmax(S) K[t, :c], in SIMT registers.
 Split-K (flash-decoding): block (row tile, split) runs an online softmax over its range of key rows and
