@@ -502,10 +502,12 @@ def checked_inputs(q_lat, q_pe, cache_layer, prefix_len: int, visibility, out, s
 def attention_path(tokens: int, heads: int) -> str:
     """Which kernel mla_attention runs for s query tokens of h heads: "decode" (few tokens:
     numba_kernels/mla_attention_decode.py), "tensor_cores" (many rows on sm_80+: 3xTF32 GEMMs,
-    numba_kernels/mla_attention_tc.py) or "simt" (this module's kernel: older GPUs, explicit configs)."""
+    numba_kernels/mla_attention_tc.py) or "simt" (this module's kernel: older GPUs, the simulator)."""
     if tokens < FEW_TOKENS:
         return "decode"
-    if ON_SIMULATOR or cuda.get_current_device().compute_capability >= (8, 0):
+    # The simulator runs the tensor-core path's mma model as Python threads: ~3x slower than this kernel
+    # there (`kdtree demo` on a CPU), so it is tested directly (tests/test_kernels_attention_tc.py) instead.
+    if not ON_SIMULATOR and cuda.get_current_device().compute_capability >= (8, 0):
         return "tensor_cores"
     return "simt"
 
