@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from kdtree_tui.benchmarks.attention import random_tree_visibility  # the bench's masks
 from kernel_checks import assert_close as check_close, normal, poisoned
 from engine import reference as ref
 from engine.config import PRESETS
@@ -171,16 +172,6 @@ def test_write_kv_rows_rejects_rows_past_capacity(tiny, tiny_table):
 
 
 # ------------------------------------------------------------------------------------- MLA attention
-def random_tree_visibility(rng, tokens):
-    """Ancestor-or-self mask of a random tree whose node 0 is the root (parents precede children)."""
-    visible = np.zeros((tokens, tokens), dtype=bool)
-    for i in range(tokens):
-        if i:
-            visible[i] = visible[rng.integers(0, i)]
-        visible[i, i] = True
-    return visible
-
-
 def run_attention(rng, tokens, heads, latent, rope, prefix, visible, num_splits, spare_rows=3,
                   config=DEFAULT_CONFIG):
     q_lat = normal(rng, tokens, heads, latent)
@@ -205,7 +196,7 @@ def run_attention(rng, tokens, heads, latent, rope, prefix, visible, num_splits,
 ])
 def test_attention_tree_masks_match_reference(tokens, heads, latent, rope, prefix):
     rng = np.random.default_rng(tokens * 100 + prefix)
-    visible = random_tree_visibility(rng, tokens)
+    visible = random_tree_visibility(tokens, rng)
     out, expected = run_attention(rng, tokens, heads, latent, rope, prefix, visible, num_splits=1)
     assert_close(out, expected)
 
@@ -220,7 +211,7 @@ def test_attention_causal_prefill_helper():
 @pytest.mark.parametrize("splits", [2, 3, 10])
 def test_attention_split_k_matches_one_split_and_reference(splits):
     rng = np.random.default_rng(splits)
-    visible = random_tree_visibility(rng, 5)
+    visible = random_tree_visibility(5, rng)
     state = rng.bit_generator.state
     one, expected = run_attention(rng, 5, 2, 16, 4, 31, visible, num_splits=1)
     rng.bit_generator.state = state  # same inputs again
@@ -233,14 +224,14 @@ def test_attention_split_k_matches_one_split_and_reference(splits):
 def test_attention_split_seeing_nothing_is_merged_away():
     # P = 0 and 9 splits of one key tile each: most splits hold no row a given query sees
     rng = np.random.default_rng(9)
-    visible = random_tree_visibility(rng, 6) & ~np.triu(np.ones((6, 6), bool), 1)
+    visible = random_tree_visibility(6, rng) & ~np.triu(np.ones((6, 6), bool), 1)
     out, expected = run_attention(rng, 6, 1, 8, 2, 0, visible, num_splits=6)
     assert_close(out, expected)
 
 
 def test_attention_more_than_32_in_flight_rows():
     rng = np.random.default_rng(10)
-    visible = random_tree_visibility(rng, 34)
+    visible = random_tree_visibility(34, rng)
     visible[33, :] = True  # a query seeing rows in both mask words (and a non-tree row pattern)
     out, expected = run_attention(rng, 34, 1, 8, 2, 3, visible, num_splits=2, spare_rows=0)
     assert_close(out, expected)
@@ -258,7 +249,7 @@ OTHER_CONFIGS = [TileConfig(rows=4, keys=8, d_chunk=2, v_chunk=4, s_rows=2, s_ke
 def test_attention_other_tile_configs(config, splits):
     # 5 tokens x 3 heads: partial row tiles; P = 19: partial key tiles and splits; c + r = 19: partial chunks
     rng = np.random.default_rng(12 + splits)
-    visible = random_tree_visibility(rng, 5)
+    visible = random_tree_visibility(5, rng)
     out, expected = run_attention(rng, 5, 3, 15, 4, 19, visible, num_splits=splits, config=config)
     assert_close(out, expected)
 
@@ -326,6 +317,6 @@ def test_attention_path_by_token_count():
 def test_mla_attention_without_config_runs_its_path_and_matches_reference(tokens, prefix):
     # the public entry point as the engine calls it (no config, no splits): the kernel attention_path picks
     rng = np.random.default_rng(30 + tokens)
-    visible = random_tree_visibility(rng, tokens)
+    visible = random_tree_visibility(tokens, rng)
     out, expected = run_attention(rng, tokens, 2, 16, 4, prefix, visible, num_splits=None, config=None)
     assert_close(out, expected)

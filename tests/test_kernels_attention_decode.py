@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from kdtree_tui.benchmarks.attention import random_tree_visibility  # the bench's masks
 from kernel_checks import assert_close as check_close, normal, poisoned
 from engine.reference_layers import mla_attention_latent
 from numba_kernels.mla_attention import MAX_LATENT, mla_attention, pack_visibility
@@ -21,14 +22,6 @@ RTOL = 1e-5
 
 def assert_close(actual, expected, rtol=RTOL):
     check_close(actual, expected, rtol)
-
-
-def random_tree_visibility(rng, tokens):
-    """Ancestor-or-self mask of a random tree whose node 0 is the root (parents precede children)."""
-    visible = np.eye(tokens, dtype=bool)
-    for i in range(1, tokens):
-        visible[i] |= visible[rng.integers(0, i)]
-    return visible
 
 
 def run_decode(rng, tokens, heads, latent, rope, prefix, visible, num_splits=None, config=None, spare_rows=3):
@@ -65,7 +58,7 @@ sim_only = pytest.mark.skipif(not ON_SIMULATOR, reason="toy configs sized for th
 ])
 def test_decode_matches_reference(tokens, heads, latent, rope, prefix, splits):
     rng = np.random.default_rng(tokens * 100 + prefix + heads)
-    visible = random_tree_visibility(rng, tokens)
+    visible = random_tree_visibility(tokens, rng)
     out, expected = run_decode(rng, tokens, heads, latent, rope, prefix, visible, num_splits=splits)
     assert_close(out, expected)
 
@@ -85,7 +78,7 @@ def test_decode_splits_that_see_nothing_are_merged_away():
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_other_configs(config, splits):
     rng = np.random.default_rng(7 + splits)
-    visible = random_tree_visibility(rng, 5)
+    visible = random_tree_visibility(5, rng)
     out, expected = run_decode(rng, 5, 3, 15, 4, 27, visible, num_splits=splits, config=config)
     assert_close(out, expected)
 
@@ -178,7 +171,7 @@ def reference_rows(q_lat, q_pe, cache, prefix, visible, rows):
 @pytest.mark.parametrize("prefix", [64, 1024, 8192])
 def test_decode_k2_dims_vs_float64_and_gemm_kernel(prefix, tokens):
     rng = np.random.default_rng(prefix + tokens)
-    visible = random_tree_visibility(rng, tokens)
+    visible = random_tree_visibility(tokens, rng)
     q_lat, q_pe = normal(rng, tokens, HEADS, LATENT), normal(rng, tokens, HEADS, ROPE)
     cache = normal(rng, prefix + tokens + 16, LATENT + ROPE)
     cache[prefix + tokens:] = np.nan
@@ -198,7 +191,7 @@ def test_decode_k2_dims_vs_float64_and_gemm_kernel(prefix, tokens):
 def test_decode_k2_dims_forced_splits(splits):
     rng = np.random.default_rng(splits)
     tokens, prefix = 8, 700
-    visible = random_tree_visibility(rng, tokens)
+    visible = random_tree_visibility(tokens, rng)
     q_lat, q_pe = normal(rng, tokens, HEADS, LATENT), normal(rng, tokens, HEADS, ROPE)
     cache = normal(rng, prefix + tokens, LATENT + ROPE)
     got = mla_attention_decode(q_lat, q_pe, cache, prefix, pack_visibility(visible), SCALE, num_splits=splits,

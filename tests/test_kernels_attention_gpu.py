@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from kdtree_tui.benchmarks.attention import random_tree_visibility  # the bench's masks
 from kernel_checks import assert_close as check_close, normal, poisoned
 from engine import reference as ref
 from engine.config import PRESETS
@@ -85,15 +86,6 @@ def test_write_kv_rows_k2(k2_table):
 
 
 # ------------------------------------------------------------------------------------- MLA attention
-def random_tree_visibility(rng, tokens):
-    visible = np.zeros((tokens, tokens), dtype=bool)
-    for i in range(tokens):
-        if i:
-            visible[i] = visible[rng.integers(0, i)]
-        visible[i, i] = True
-    return visible
-
-
 def latent_attention_float64(q_lat, q_pe, keys, visible, scale):
     """o [s, h, c] float64: softmax over visible key rows of [q_lat | q_pe] . keys * scale, times keys[:, :c]."""
     tokens, heads, latent = q_lat.shape
@@ -113,7 +105,7 @@ def attention_case(seed, tokens, prefix, num_splits=None, **config):
     q_lat, q_pe = normal(rng, tokens, heads, latent), normal(rng, tokens, heads, rope)
     cache = normal(rng, prefix + tokens + 16, latent + rope)
     cache[prefix + tokens:] = np.nan  # rows past the in-flight ones must never be read
-    visible = random_tree_visibility(rng, tokens)
+    visible = random_tree_visibility(tokens, rng)
     out = mla_attention(q_lat, q_pe, cache, prefix, pack_visibility(visible), K2.softmax_scale,
                         out=poisoned((tokens, heads, latent)), num_splits=num_splits, **config).copy_to_host()
     full = np.concatenate([np.ones((tokens, prefix), bool), visible], axis=1)
