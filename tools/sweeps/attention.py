@@ -32,6 +32,7 @@ from kdtree_tui.benchmarks.common import ceilings, time_gpu, torch_cuda  # noqa:
 from numba_kernels import mla_attention as mla  # noqa: E402
 from numba_kernels.mla_attention import TileConfig  # noqa: E402
 from numba_kernels.warp import ON_SIMULATOR  # noqa: E402
+from tools.sweeps.report import kernel_resources, log  # noqa: E402
 
 if ON_SIMULATOR:
     HEADS, LATENT, ROPE = 2, 16, 4
@@ -58,11 +59,8 @@ else:
     WARMUP, REPEATS = 2, 10
 SCALE = (128 + ROPE) ** -0.5
 RTOL = 1e-4
-AUTO = "auto"  # mla_attention without config: FEW_TOKENS_CONFIG below FEW_TOKENS tokens, else DEFAULT_CONFIG
+AUTO = "auto"  # mla_attention without config: the kernel attention_path picks (decode / tensor cores / SIMT)
 
-
-def log(*args):
-    print(*args, flush=True)
 
 
 def role(config: TileConfig) -> str:
@@ -109,17 +107,7 @@ def check(config, prefix: int, tokens: int, num_splits, rng) -> str:
 
 def resources(config: TileConfig) -> str:
     """'regs R, local L B, shared S B' of the config's kernel (compiled by the checks; '-' on the simulator)."""
-    if ON_SIMULATOR:
-        return "-"
-    kernel = mla.attention_kernel(config)
-
-    def first(value):  # {signature: value} for a kernel compiled without an explicit signature
-        return next(iter(value.values()), "?") if isinstance(value, dict) else value
-    try:
-        return (f"regs {first(kernel.get_regs_per_thread())}, local {first(kernel.get_local_mem_per_thread())} B, "
-                f"shared {first(kernel.get_shared_mem_per_block())} B")
-    except Exception as error:  # noqa: BLE001 - diagnostics only
-        return f"(resources unavailable: {error})"
+    return kernel_resources(mla.attention_kernel(config), ON_SIMULATOR)
 
 
 def torch_peer(torch, q_lat, q_pe, layer, visible, prefix, tokens):

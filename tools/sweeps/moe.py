@@ -30,6 +30,7 @@ from numba import cuda  # noqa: E402
 from kdtree_tui.benchmarks.common import ceilings, time_gpu  # noqa: E402
 from numba_kernels import moe_experts as moe  # noqa: E402
 from numba_kernels.warp import ON_SIMULATOR  # noqa: E402
+from tools.sweeps.report import kernel_resources, log  # noqa: E402
 
 C = moe.ExpertsConfig
 if ON_SIMULATOR:
@@ -79,9 +80,6 @@ ONLY = set(_option("--only", "").split(",")) - {""}
 RTOL = 1e-4
 EXPERT_BYTES = 3 * D * F * 2  # one expert's bf16 gate, up and down
 
-
-def log(*args):
-    print(*args, flush=True)
 
 
 def config_name(index: int) -> str:
@@ -159,18 +157,6 @@ def breakdown(x, ids, gate_view, down_view, whole: float, config) -> dict:
     return parts
 
 
-def resources(kernel) -> str:
-    """'regs R, local L B' of a compiled kernel ('-' under the simulator)."""
-    if ON_SIMULATOR:
-        return "-"
-
-    def first(value):  # {signature: value} for a kernel compiled without an explicit signature
-        return next(iter(value.values()), "?") if isinstance(value, dict) else value
-    try:
-        return f"regs {first(kernel.get_regs_per_thread())}, local {first(kernel.get_local_mem_per_thread())} B"
-    except Exception as error:  # noqa: BLE001 - diagnostics only
-        return f"(unavailable: {error})"
-
 
 def main() -> int:
     log(f"moe sweep: E={E} K={K} D={D} F={F} "
@@ -232,7 +218,8 @@ def main() -> int:
             continue
         gate_up_kernel = moe.expert_kernels(moe.word_width(gate_view, x_probe, config), config)[0]
         down_kernel = moe.expert_kernels(moe.word_width(down_view, act, config), config)[1]
-        log(f"  {config_name(i)}: {config}; gate_up {resources(gate_up_kernel)}; down {resources(down_kernel)}")
+        log(f"  {config_name(i)}: {config}; gate_up {kernel_resources(gate_up_kernel, ON_SIMULATOR)}; "
+            f"down {kernel_resources(down_kernel, ON_SIMULATOR)}")
 
     log(f"\n{'s':>4} {'config':>6} {'ms':>9} {'GB/s':>7} {'%copy':>6}")
     for s, name, seconds, achieved, _ in table:

@@ -30,6 +30,7 @@ from engine import ddtree_ref  # noqa: E402
 from kdtree_tui.benchmarks.tree import random_drafts  # noqa: E402
 from numba_kernels import tree_build  # noqa: E402
 from numba_kernels.warp import ON_SIMULATOR  # noqa: E402
+from tools.sweeps.report import kernel_resources, log  # noqa: E402
 
 REQUESTS, DEPTHS = (2, 3) if ON_SIMULATOR else (64, 15)
 BUDGETS = (4, 8) if ON_SIMULATOR else (16, 64, 256, 1024)
@@ -45,9 +46,6 @@ VARIANTS = {
 }
 FIELDS = ("tokens", "parents", "depths", "ranks", "scores", "positions", "num_nodes", "visibility")
 
-
-def log(*args):
-    print(*args, flush=True)
 
 
 def inputs(budget: int, tied: bool):
@@ -120,19 +118,6 @@ def time_call(fn) -> tuple[float, float, float]:
     return statistics.median(singles), statistics.median(queued), statistics.median(host)
 
 
-def resources(kernel) -> str:
-    """'regs R, local L B, shared S B' of a compiled kernel ('-' under the simulator)."""
-    if ON_SIMULATOR:
-        return "-"
-
-    def first(value):  # {signature: value} for a kernel compiled without an explicit signature
-        return next(iter(value.values()), "?") if isinstance(value, dict) else value
-    try:
-        return (f"regs {first(kernel.get_regs_per_thread())}, local {first(kernel.get_local_mem_per_thread())} B, "
-                f"shared {first(kernel.get_shared_mem_per_block())} B")
-    except Exception as error:  # noqa: BLE001 - diagnostics only
-        return f"(resources unavailable: {error})"
-
 
 def main() -> int:
     log(f"tree sweep: {'CUDA simulator (times mean nothing)' if ON_SIMULATOR else cuda.get_current_device().name}; "
@@ -180,7 +165,8 @@ def main() -> int:
 
     log("\n== registers per variant ==")
     for name, kernel in kernels.items():
-        log(f"{name:12s} {VARIANTS[name] or '(make_build_kernel defaults)'}: {resources(kernel)}")
+        log(f"{name:12s} {VARIANTS[name] or '(make_build_kernel defaults)'}: "
+            f"{kernel_resources(kernel, ON_SIMULATOR)}")
 
     log(f"\n== tree build: b={REQUESTS} L={DEPTHS} K=B, ms (call = events around one build_trees call; "
         "queued = back-to-back average) ==")
