@@ -507,9 +507,15 @@ def attention_path(tokens: int, heads: int) -> str:
         return "decode"
     # The simulator runs the tensor-core path's mma model as Python threads: ~3x slower than this kernel
     # there (`kdtree demo` on a CPU), so it is tested directly (tests/test_kernels_attention_tc.py) instead.
-    if not ON_SIMULATOR and cuda.get_current_device().compute_capability >= (8, 0):
+    if not ON_SIMULATOR and _has_tf32_mma():
         return "tensor_cores"
     return "simt"
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tf32_mma() -> bool:
+    """The current device runs mma.sync tf32 (sm_80+); asked once, not on every layer's call."""
+    return cuda.get_current_device().compute_capability >= (8, 0)
 
 
 def mla_attention(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: float, out=None,
