@@ -12,7 +12,8 @@ that sees no key gets a NaN output):
      probabilities as it loads them (optionally split over key ranges, partials summed in a fixed order).
 fused_softmax=False runs the unfused order instead (plain score GEMM, masked_softmax_kernel in place, plain
 value GEMM).
-Scratch: R * (c + r + t) floats (+ R * parts * 2 + splits * R * c), allocated on the stream for each call.
+Scratch: R * (c + r + t + 2 * parts + 2) (+ splits * R * c) floats, views of one grow-only buffer per stream
+(workspace: no allocation, and no cuMemFree synchronizing the device, once a call of that size has run).
 Dimension letters: s query tokens, h heads, c kv_lora_rank, r qk_rope_head_dim, t = P + s key rows.
 """
 from __future__ import annotations
@@ -132,6 +133,49 @@ def nan_blind_queries_kernel(visibility, tokens, out):
                 out[token, e // latent, e % latent] = float32(math.nan)
 
 
+_WORKSPACE: dict = {}  # stream key -> (flat float32 buffer, {shape key: views})
+_VIEW_SETS = 8  # carved view sets kept per stream (the engine's verify calls repeat a few shapes per step)
+
+
+def _stream_key(stream) -> int:
+    """The CUDA stream a numba stream (or 0 / None: the default stream) wraps, as an int."""
+    if stream is None or (isinstance(stream, int) and stream == 0):
+        return 0
+    handle = getattr(stream, "handle", None)
+    if handle is None:  # the simulator's streams wrap nothing
+        return id(stream)
+    handle = getattr(handle, "value", handle)  # a ctypes pointer (None for NULL) or a CUstream
+    return int(handle) if handle is not None else 0
+
+
+def workspace_views(stream, shapes: tuple) -> list:
+    """Float32 device views of the given shapes, laid out back to back in this stream's scratch buffer (grown
+    by at least 25% when too small; calls on one stream run in order, so they may share it)."""
+    key = _stream_key(stream)
+    buffer, views = _WORKSPACE.get(key, (None, {}))
+    if shapes in views:
+        return views[shapes]
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    if buffer is None or buffer.shape[0] < sum(sizes):
+        grown = max(sum(sizes), (5 * buffer.shape[0]) // 4 if buffer is not None else 0)
+        _WORKSPACE.pop(key, None)  # the old buffer goes first: peak memory is the new one only
+        buffer, views = cuda.device_array(grown, dtype=np.float32, stream=stream), {}
+    carved, offset = [], 0
+    for shape, size in zip(shapes, sizes):
+        carved.append(buffer[offset:offset + size].reshape(shape))
+        offset += size
+    if len(views) >= _VIEW_SETS:
+        views.pop(next(iter(views)))
+    views[shapes] = carved
+    _WORKSPACE[key] = (buffer, views)
+    return carved
+
+
+def release_workspace() -> None:
+    """Free every stream's scratch buffer (the next call allocates again)."""
+    _WORKSPACE.clear()
+
+
 def default_value_splits(rows: int, keys: int, latent: int, config: GemmConfig, sms: int | None = None) -> int:
     """Key-range splits of the value GEMM whose blocks fill the SMs best (the fewest within 2% of the best
     wave efficiency, up to two waves), at least MIN_KEYS_PER_SPLIT keys each."""
@@ -165,33 +209,32 @@ def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scal
     width, rows, keys = latent + q_pe.shape[2], tokens * heads, prefix_len + tokens
     if rows == 0 or latent == 0:
         return out
-    q_cat = cuda.device_array((rows, width), dtype=np.float32, stream=stream)
+    splits = config.value_splits or default_value_splits(rows, keys, latent, config.value)
+    parts = softmax_parts(config.score, keys)
+    q_cat, scores, partials, row_stats, value_parts = workspace_views(
+        stream, ((rows, width), (1, rows, keys), (rows, parts, 2), (rows, 2),
+                 (splits if splits > 1 else 0, rows, latent)))
     concat_queries_kernel[row_blocks(rows), ROW_THREADS, stream](q_lat, q_pe, q_cat)
-    scores = cuda.device_array((1, rows, keys), dtype=np.float32, stream=stream)
     value_gemm = dict(b_k_contiguous=False, config=config.value, stream=stream)
     if config.fused_softmax:
-        partials = cuda.device_array((rows, softmax_parts(config.score, keys), 2), dtype=np.float32, stream=stream)
         gemm_tf32x3(q_cat, cache, scores, keys, width, alpha=scale, b_k_contiguous=True, config=config.score,
                     stream=stream, fusion="scores", partials=partials, visibility=visibility, heads=heads,
                     prefix_len=prefix_len, key_visible=key_visible)
-        row_stats = cuda.device_array((rows, 2), dtype=np.float32, stream=stream)
         merge_partials_kernel[min(-(-rows // 128), 1024) if not ON_SIMULATOR else 1, 128 if not ON_SIMULATOR else 8,
-                              stream](partials.reshape(-1), rows, partials.shape[1], row_stats.reshape(-1))
+                              stream](partials.reshape(-1), rows, parts, row_stats.reshape(-1))
         value_gemm.update(fusion="probs", row_stats=row_stats)
     else:
         gemm_tf32x3(q_cat, cache, scores, keys, width, alpha=scale, b_k_contiguous=True, config=config.score,
                     stream=stream)
         masked_softmax_kernel[row_blocks(rows), ROW_THREADS, stream](scores.reshape(-1), rows, keys, heads,
                                                                      prefix_len, visibility)
-    splits = config.value_splits or default_value_splits(rows, keys, latent, config.value)
     if splits == 1:
         gemm_tf32x3(scores.reshape(rows, keys), cache, out.reshape(1, rows, latent), latent, keys, **value_gemm)
     else:
-        parts = cuda.device_array((splits, rows, latent), dtype=np.float32, stream=stream)
-        gemm_tf32x3(scores.reshape(rows, keys), cache, parts, latent, keys, splits=splits, **value_gemm)
+        gemm_tf32x3(scores.reshape(rows, keys), cache, value_parts, latent, keys, splits=splits, **value_gemm)
         size = rows * latent
         sum_splits_kernel[min(-(-size // ROW_THREADS), 4 * 1024) if not ON_SIMULATOR else 1, ROW_THREADS, stream](
-            parts.reshape(-1), splits, size, out.reshape(-1))
+            value_parts.reshape(-1), splits, size, out.reshape(-1))
     if prefix_len == 0:  # only then can a query see no key row
         nan_blind_queries_kernel[row_blocks(tokens), ROW_THREADS, stream](visibility, tokens, out)
     return out

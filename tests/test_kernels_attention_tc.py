@@ -12,6 +12,7 @@ from kernel_checks import assert_close as check_close
 from engine.reference_layers import mla_attention_latent
 from kdtree_tui.benchmarks.attention import random_tree_visibility
 from numba_kernels.mla_attention import mla_attention, pack_visibility
+from numba_kernels import mla_attention_tc as tc_module
 from numba_kernels.mla_attention_tc import AttentionTcConfig, default_value_splits, mla_attention_tc
 from numba_kernels.mma import GemmConfig
 
@@ -68,6 +69,33 @@ def test_attention_tc_masked_keys_get_no_weight_and_blind_query_is_nan(fused):
     want = reference(q_lat[:2], q_pe[:2], cache, 0, visible[:2, :2], 0.5)
     assert_close(out[:2], want)
     assert np.isnan(out[2]).all()
+
+
+@pytest.mark.sim
+def test_attention_tc_workspace_reused_across_shapes_and_kept_per_stream():
+    """The scratch buffer is reused and grown between calls: a small call after a large one, the large one
+    again (its carved views cached), and a split call each match float64; another stream gets its own buffer,
+    and release_workspace frees them all."""
+    tc_module.release_workspace()
+    rng = np.random.default_rng(11)
+    calls = [(4, 2, 8, 2, 9, 1), (2, 1, 8, 2, 3, 1), (4, 2, 8, 2, 9, 1), (5, 2, 8, 2, 17, 2)]
+    for tokens, heads, latent, rope, prefix, splits in calls:
+        q_lat, q_pe, cache = make_inputs(rng, tokens, heads, latent, rope, prefix)
+        visible = random_tree_visibility(tokens, rng)
+        out = cuda.to_device(np.full((tokens, heads, latent), np.nan, np.float32))
+        mla_attention_tc(q_lat, q_pe, cache, prefix, pack_visibility(visible), 0.4, out=out,
+                         config=AttentionTcConfig(value_splits=splits))
+        assert_close(out.copy_to_host(), reference(q_lat, q_pe, cache, prefix, visible, 0.4))
+    assert list(tc_module._WORKSPACE) == [0]  # the default stream's buffer only
+    stream = cuda.stream()
+    q_lat, q_pe, cache = make_inputs(rng, 3, 2, 8, 2, 5)
+    visible = random_tree_visibility(3, rng)
+    result = mla_attention_tc(q_lat, q_pe, cache, 5, pack_visibility(visible), 0.4, stream=stream)
+    stream.synchronize()
+    assert_close(result.copy_to_host(), reference(q_lat, q_pe, cache, 5, visible, 0.4))
+    assert len(tc_module._WORKSPACE) == 2
+    tc_module.release_workspace()
+    assert not tc_module._WORKSPACE
 
 
 @pytest.mark.sim
