@@ -5,19 +5,24 @@ s*h query-head pairs share one key/value row per cached token, so attention is t
 softmax (key row t < P visible to all; in-flight row P + j to query i iff bit j of visibility[i]; a query
 that sees no key gets a NaN output):
   1. q_cat [R, c+r] = [q_lat | q_pe] (R = s*h rows; a copy, so the GEMM reads one K-contiguous operand);
-  2. scores [R, t] = scale * q_cat @ cache[:t]^T, masked entries -inf (3xTF32 GEMM, "NT": numba_kernels.mma),
-     its epilogue writing each warp's softmax partial (max, sum of exp) of each row;
-  3. merge_partials_kernel: per row max m and 1 / sum of exp(s - m);
-  4. o_lat [R, c] = exp(scores - m) / sum @ cache[:t, :c]: the value GEMM ("NN") turns scores into
-     probabilities as it loads them (optionally split over key ranges, partials summed in a fixed order).
+  2. weights [R, t] = exp(w - M_p) with w = scale * q_cat @ cache[:t]^T (3xTF32 GEMM, "NT":
+     numba_kernels.mma) and M_p the max of w over part p (one warp's 32 keys) of the row; masked entries get
+     0; the epilogue writes each part's (M_p, sum of its weights);
+  3. merge_partials_kernel: per row and part, scale_p = exp(M_p - m) / sum with m the row's max and sum the
+     row's sum of exp(w - m), so that scale_p * weight = softmax probability;
+  4. o_lat [R, c] = probabilities @ cache[:t, :c]: the value GEMM ("NN", "scaled") multiplies each staged
+     chunk's sum (one part's keys) by its scale_p (optionally split over key ranges, partials summed in a
+     fixed order).
 fused_softmax=False runs the unfused order instead (plain score GEMM, masked_softmax_kernel in place, plain
 value GEMM).
-Scratch: R * (c + r + t + 2 * parts + 2) (+ splits * R * c) floats, views of one grow-only buffer per stream
-(workspace: no allocation, and no cuMemFree synchronizing the device, once a call of that size has run).
+Scratch: R * (c + r + t' + 3 * parts) (+ splits * R * c) floats (t' = t rounded up to 4: 16-byte aligned
+rows), views of one grow-only buffer per stream (workspace: no allocation, and no cuMemFree synchronizing the
+device, once a call of that size has run).
 Dimension letters: s query tokens, h heads, c kv_lora_rank, r qk_rope_head_dim, t = P + s key rows.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -26,6 +31,7 @@ from numba import cuda, float32, uint32
 
 from numba_kernels.flat_access import at, at_put
 from numba_kernels.mla_attention import checked_inputs, key_visible
+from numba_kernels.launch import stream_key
 from numba_kernels.mma import DEFAULT_GEMM, GemmConfig, gemm_tf32x3, softmax_parts
 from numba_kernels.warp import ON_SIMULATOR, block_max, block_sum, row_blocks
 
@@ -58,15 +64,16 @@ def concat_queries_kernel(q_lat, q_pe, q_cat):
 
 
 @cuda.jit
-def masked_softmax_kernel(scores, rows, keys, heads, prefix_len, visibility):
-    """scores float32 flat [R * t] (row ρ = i*h + head, already scaled) -> softmax over the keys query i sees
-    (0 elsewhere; a NaN row where it sees none). visibility uint32 [s, ceil(s/32)].
+def masked_softmax_kernel(scores, rows, keys, stride, heads, prefix_len, visibility):
+    """scores float32 flat [R * stride] (row ρ = i*h + head: its t = keys scores at ρ * stride, already scaled)
+    -> softmax over the keys query i sees (0 elsewhere; a NaN row where it sees none). visibility uint32
+    [s, ceil(s/32)].
     Grid (row_blocks(R),), ROW_THREADS threads; two passes: an online (max, sum), then the write."""
     scratch = cuda.shared.array(ROW_THREADS, float32)
     tid, width = cuda.threadIdx.x, cuda.blockDim.x
     for row in range(cuda.blockIdx.x, rows, cuda.gridDim.x):  # block-uniform: the reductions sync
         token = row // heads
-        base = row * keys
+        base = row * stride
         local_max = float32(-math.inf)
         local_sum = float32(0.0)
         for j in range(tid, keys, width):
@@ -89,22 +96,32 @@ def masked_softmax_kernel(scores, rows, keys, heads, prefix_len, visibility):
 
 
 @cuda.jit
-def merge_partials_kernel(partials, rows, parts, row_stats):
-    """row_stats float32 flat [R * 2] = (max m, 1 / sum of exp(score - m)) of each row from partials flat
-    [R * parts * 2] of (max, sum of exp(score - max)); a row with no visible key gets (-inf, NaN).
-    One thread per row, grid-stride, 1-D."""
-    for row in range(cuda.grid(1), rows, cuda.gridsize(1)):
-        base = row * parts * 2
-        row_max = float32(-math.inf)
-        for part in range(parts):
-            row_max = max(row_max, at(partials, base + 2 * part))
-        total = float32(0.0)
-        for part in range(parts):
-            part_sum = at(partials, base + 2 * part + 1)
-            if part_sum > 0:  # an all-masked part has max -inf: exp(-inf - -inf) would be NaN
-                total += part_sum * math.exp(at(partials, base + 2 * part) - row_max)
-        at_put(row_stats, 2 * row, row_max)
-        at_put(row_stats, 2 * row + 1, float32(1.0) / total if total > 0 else float32(math.nan))
+def merge_partials_kernel(partials, rows, parts, scales):
+    """scales float32 flat [R * parts]: exp(M_p - m) / sum for each row's part p, from partials flat
+    [R * parts * 2] of (M_p, sum of exp(score - M_p)) over the part's keys, m the row's max and sum the row's
+    sum of exp(score - m): the factor that turns the part's exp(score - M_p) into probabilities (0 for a part
+    with no visible key; every part 0 for a row with none). One block per row (grid-stride), ROW_THREADS
+    threads over the parts."""
+    scratch = cuda.shared.array(ROW_THREADS, float32)
+    tid, width = cuda.threadIdx.x, cuda.blockDim.x
+    for row in range(cuda.blockIdx.x, rows, cuda.gridDim.x):  # block-uniform: the reductions sync
+        base = row * parts
+        local_max = float32(-math.inf)
+        for part in range(tid, parts, width):
+            if at(partials, 2 * (base + part) + 1) > 0:  # an all-masked part carries no max
+                local_max = max(local_max, at(partials, 2 * (base + part)))
+        row_max = block_max(local_max, scratch)
+        local_sum = float32(0.0)
+        for part in range(tid, parts, width):
+            part_sum = at(partials, 2 * (base + part) + 1)
+            if part_sum > 0:
+                local_sum += part_sum * math.exp(at(partials, 2 * (base + part)) - row_max)
+        total = block_sum(local_sum, scratch)
+        inv = float32(1.0) / total if total > 0 else float32(0.0)
+        for part in range(tid, parts, width):
+            part_sum = at(partials, 2 * (base + part) + 1)
+            at_put(scales, base + part, math.exp(at(partials, 2 * (base + part)) - row_max) * inv if part_sum > 0
+                   else float32(0.0))
 
 
 @cuda.jit
@@ -134,36 +151,27 @@ def nan_blind_queries_kernel(visibility, tokens, out):
 
 
 _WORKSPACE: dict = {}  # stream key -> (flat float32 buffer, {shape key: views})
+VIEW_ALIGN = 64  # floats: each view starts 256-byte aligned (the GEMMs' 16-byte copies)
 _VIEW_SETS = 8  # carved view sets kept per stream (the engine's verify calls repeat a few shapes per step)
-
-
-def _stream_key(stream) -> int:
-    """The CUDA stream a numba stream (or 0 / None: the default stream) wraps, as an int."""
-    if stream is None or (isinstance(stream, int) and stream == 0):
-        return 0
-    handle = getattr(stream, "handle", None)
-    if handle is None:  # the simulator's streams wrap nothing
-        return id(stream)
-    handle = getattr(handle, "value", handle)  # a ctypes pointer (None for NULL) or a CUstream
-    return int(handle) if handle is not None else 0
 
 
 def workspace_views(stream, shapes: tuple) -> list:
     """Float32 device views of the given shapes, laid out back to back in this stream's scratch buffer (grown
     by at least 25% when too small; calls on one stream run in order, so they may share it)."""
-    key = _stream_key(stream)
+    key = stream_key(stream)
     buffer, views = _WORKSPACE.get(key, (None, {}))
     if shapes in views:
         return views[shapes]
     sizes = [int(np.prod(shape)) for shape in shapes]
-    if buffer is None or buffer.shape[0] < sum(sizes):
-        grown = max(sum(sizes), (5 * buffer.shape[0]) // 4 if buffer is not None else 0)
+    needed = sum(-(-size // VIEW_ALIGN) * VIEW_ALIGN for size in sizes)
+    if buffer is None or buffer.shape[0] < needed:
+        grown = max(needed, (5 * buffer.shape[0]) // 4 if buffer is not None else 0)
         _WORKSPACE.pop(key, None)  # the old buffer goes first: peak memory is the new one only
         buffer, views = cuda.device_array(grown, dtype=np.float32, stream=stream), {}
     carved, offset = [], 0
     for shape, size in zip(shapes, sizes):
         carved.append(buffer[offset:offset + size].reshape(shape))
-        offset += size
+        offset += -(-size // VIEW_ALIGN) * VIEW_ALIGN
     if len(views) >= _VIEW_SETS:
         views.pop(next(iter(views)))
     views[shapes] = carved
@@ -176,12 +184,18 @@ def release_workspace() -> None:
     _WORKSPACE.clear()
 
 
+@functools.lru_cache(maxsize=1)
+def _multiprocessors() -> int:
+    """SMs of the current device, asked once (a driver query on every call costs host time before the GEMMs)."""
+    return 1 if ON_SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
 def default_value_splits(rows: int, keys: int, latent: int, config: GemmConfig, sms: int | None = None) -> int:
     """Key-range splits of the value GEMM whose blocks fill the SMs best (the fewest within 2% of the best
     wave efficiency, up to two waves), at least MIN_KEYS_PER_SPLIT keys each."""
     tiles = -(-rows // config.block_m) * -(-latent // config.block_n)
     if sms is None:
-        sms = 1 if ON_SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        sms = _multiprocessors()
     slots = sms * config.blocks_per_sm
     most = max(1, min(-(-2 * slots // tiles), keys // MIN_KEYS_PER_SPLIT))
 
@@ -211,8 +225,9 @@ def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scal
         return out
     splits = config.value_splits or default_value_splits(rows, keys, latent, config.value)
     parts = softmax_parts(config.score, keys)
-    q_cat, scores, partials, row_stats, value_parts = workspace_views(
-        stream, ((rows, width), (1, rows, keys), (rows, parts, 2), (rows, 2),
+    padded_keys = -(-keys // 4) * 4  # score rows 16-byte aligned: the value GEMM copies 16 bytes at a time
+    q_cat, scores, partials, scales, value_parts = workspace_views(
+        stream, ((rows, width), (1, rows, padded_keys), (rows, parts, 2), (rows, parts),
                  (splits if splits > 1 else 0, rows, latent)))
     concat_queries_kernel[row_blocks(rows), ROW_THREADS, stream](q_lat, q_pe, q_cat)
     value_gemm = dict(b_k_contiguous=False, config=config.value, stream=stream)
@@ -220,18 +235,20 @@ def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scal
         gemm_tf32x3(q_cat, cache, scores, keys, width, alpha=scale, b_k_contiguous=True, config=config.score,
                     stream=stream, fusion="scores", partials=partials, visibility=visibility, heads=heads,
                     prefix_len=prefix_len, key_visible=key_visible)
-        merge_partials_kernel[min(-(-rows // 128), 1024) if not ON_SIMULATOR else 1, 128 if not ON_SIMULATOR else 8,
-                              stream](partials.reshape(-1), rows, parts, row_stats.reshape(-1))
-        value_gemm.update(fusion="probs", row_stats=row_stats)
+        merge_partials_kernel[row_blocks(rows), ROW_THREADS, stream](partials.reshape(-1), rows, parts,
+                                                                    scales.reshape(-1))
+        value_gemm.update(fusion="scaled", scale=scales, scale_width=config.score.block_n // config.score.warps_n)
     else:
         gemm_tf32x3(q_cat, cache, scores, keys, width, alpha=scale, b_k_contiguous=True, config=config.score,
                     stream=stream)
-        masked_softmax_kernel[row_blocks(rows), ROW_THREADS, stream](scores.reshape(-1), rows, keys, heads,
-                                                                     prefix_len, visibility)
+        masked_softmax_kernel[row_blocks(rows), ROW_THREADS, stream](scores.reshape(-1), rows, keys, padded_keys,
+                                                                     heads, prefix_len, visibility)
     if splits == 1:
-        gemm_tf32x3(scores.reshape(rows, keys), cache, out.reshape(1, rows, latent), latent, keys, **value_gemm)
+        gemm_tf32x3(scores.reshape(rows, padded_keys), cache, out.reshape(1, rows, latent), latent, keys,
+                    **value_gemm)
     else:
-        gemm_tf32x3(scores.reshape(rows, keys), cache, value_parts, latent, keys, splits=splits, **value_gemm)
+        gemm_tf32x3(scores.reshape(rows, padded_keys), cache, value_parts, latent, keys, splits=splits,
+                    **value_gemm)
         size = rows * latent
         sum_splits_kernel[min(-(-size // ROW_THREADS), 4 * 1024) if not ON_SIMULATOR else 1, ROW_THREADS, stream](
             value_parts.reshape(-1), splits, size, out.reshape(-1))

@@ -15,7 +15,10 @@ On a GPU the primitives are inline PTX (sm_80+). The simulator cannot run PTX, s
 lane the same fragment semantics through a per-warp shared ``scratch`` (SIM_SCRATCH_PER_WARP floats per warp,
 every thread of the 1-D block must call it: it syncs the block); on a GPU ``scratch`` is ignored.
 
-gemm_kernel(config, b_k_contiguous) builds the GEMM C = alpha * A @ B for one GemmConfig (see its docstring).
+gemm_kernel(config, b_k_contiguous, fusion) builds the GEMM C = alpha * A @ B for one GemmConfig (see its
+docstring); gemm_tf32x3 checks and launches it. Tiles reach shared memory by cp.async (16-byte copies when the
+operands allow, 4-byte otherwise), `stages` chunks deep, one barrier per chunk; the k-steps of a chunk are
+straight-line code so that a step's fragment loads can issue under the previous step's mma.
 """
 from __future__ import annotations
 
@@ -24,9 +27,10 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, types, uint32
 
 from numba_kernels.flat_access import at, at_put
+from numba_kernels.launch import launcher_for
 from numba_kernels.warp import ON_SIMULATOR
 
 WARP = 32
@@ -85,7 +89,6 @@ if ON_SIMULATOR:
         return d[0], d[1], d[2], d[3]
 else:
     from llvmlite import ir
-    from numba import types
     from numba.cuda.extending import intrinsic
 
     @intrinsic
@@ -166,13 +169,93 @@ else:
         return value
 
 
+# ------------------------------------------------------------------------------------------------ cp.async
+# Tiles go from global to shared memory with cp.async (no register staging; STAGES chunks in flight).
+if ON_SIMULATOR:
+    @cuda.jit(device=True)
+    def _copy16(dst, dst_index, src, src_index, src_bytes):
+        for e in range(4):
+            at_put(dst, dst_index + e, at(src, src_index + e) if 4 * e < src_bytes else float32(0.0))
+
+    @cuda.jit(device=True)
+    def _copy4(dst, dst_index, src, src_index, src_bytes):
+        at_put(dst, dst_index, at(src, src_index) if src_bytes > 0 else float32(0.0))
+
+    @cuda.jit(device=True)
+    def copy_commit():
+        """cp.async.commit_group (the simulator copies at once)."""
+
+    def copy_wait(pending: int):
+        @cuda.jit(device=True)
+        def wait():
+            """cp.async.wait_group pending (the simulator copies at once)."""
+        return wait
+else:
+    def _cp_async(cp_bytes: int, cache_op: str):
+        """cp.async.{cache_op}.shared.global of cp_bytes from src[src_index] to dst[dst_index] (flat indices of
+        a shared and a global float32 array); src_bytes < cp_bytes are read, the rest zero-filled."""
+        @intrinsic
+        def copy(typingctx, dst, dst_index, src, src_index, src_bytes):
+            def codegen(context, builder, sig, args):
+                i64, i32 = ir.IntType(64), ir.IntType(32)
+                pointers = []
+                for array_type, array, index_type, index in ((sig.args[0], args[0], sig.args[1], args[1]),
+                                                             (sig.args[2], args[2], sig.args[3], args[3])):
+                    data = context.make_array(array_type)(context, builder, value=array).data
+                    offset = context.cast(builder, index, index_type, types.intp)
+                    pointers.append(builder.ptrtoint(builder.gep(data, [offset], inbounds=True), i64))
+                nbytes = builder.trunc(context.cast(builder, args[4], sig.args[4], types.int64), i32)
+                asm = ir.InlineAsm(
+                    ir.FunctionType(ir.VoidType(), [i64, i64, i32]),
+                    "{ .reg .u64 %sg; .reg .u32 %ss; cvta.to.shared.u64 %sg, $0; cvt.u32.u64 %ss, %sg; "
+                    f"cp.async.{cache_op}.shared.global [%ss], [$1], {cp_bytes}, $2; }}",
+                    "l,l,r,~{memory}", side_effect=True)
+                builder.call(asm, pointers + [nbytes])
+                return context.get_dummy_value()
+            return types.void(dst, dst_index, src, src_index, src_bytes), codegen
+        return copy
+
+    _copy16, _copy4 = _cp_async(16, "cg"), _cp_async(4, "ca")
+
+    @intrinsic
+    def _commit(typingctx):
+        def codegen(context, builder, sig, args):
+            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;", "~{memory}",
+                                      side_effect=True), [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    @cuda.jit(device=True, forceinline=True)
+    def copy_commit():
+        """cp.async.commit_group: the copies this thread issued since the last commit form one group."""
+        _commit()
+
+    @functools.lru_cache(maxsize=None)
+    def copy_wait(pending: int):
+        """Device function: wait until at most `pending` of this thread's committed groups are in flight."""
+        @intrinsic
+        def _wait(typingctx):
+            def codegen(context, builder, sig, args):
+                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), f"cp.async.wait_group {pending};",
+                                          "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+            return types.void(), codegen
+
+        @cuda.jit(device=True, forceinline=True)
+        def wait():
+            _wait()
+        return wait
+
+
 # ------------------------------------------------------------------------------------------------ GEMM
-FUSIONS = ("none", "scores", "probs")
+FUSIONS = ("none", "scores", "scaled")
+MAX_SHARED_BYTES = 227 * 1024  # sm_90's opt-in limit per block (sm_80: 163 KB; a launch there checks)
 
 
 class GemmConfig(NamedTuple):
-    """Block tile block_m x block_n, K staged block_k at a time; warps_m x warps_n warps, each owning a
-    (block_m / warps_m) x (block_n / warps_n) tile of m16n8 fragments (accumulators in registers).
+    """Block tile block_m x block_n, K staged block_k at a time in `stages` shared buffers (cp.async keeps
+    stages - 1 chunks in flight); warps_m x warps_n warps, each owning a (block_m / warps_m) x
+    (block_n / warps_n) tile of m16n8 fragments (accumulators in registers).
     sum_every: k-steps (of 8) the mma sums in fresh fragments before one FADD into the accumulators (at
     most block_k / 8 of them: one group per staged chunk); 0 accumulates over all of K inside the mma (half
     the accumulator registers, error growing with K)."""
@@ -183,6 +266,7 @@ class GemmConfig(NamedTuple):
     warps_n: int = 4
     blocks_per_sm: int = 1
     sum_every: int = 4
+    stages: int = 2
 
     @property
     def threads(self) -> int:
@@ -199,11 +283,15 @@ class GemmConfig(NamedTuple):
         return self.block_m // self.warps_m // 16, self.block_n // self.warps_n // 8
 
     def shared_floats(self, b_k_contiguous: bool) -> tuple[int, int]:
-        """(A tile, B tile) in floats: K-contiguous tiles padded by 4 (rows 4 banks apart: the fragment
-        loads of a warp hit 32 distinct banks), the N-contiguous B tile by 8 (with block_n % 32 == 0, k rows
-        8 banks apart: conflict-free too)."""
+        """(A tile, B tile) of one stage in floats: K-contiguous tiles padded by 4 (rows 4 banks apart: the
+        fragment loads of a warp hit 32 distinct banks; rows stay 16-byte aligned for cp.async), the
+        N-contiguous B tile by 8 (with block_n % 32 == 0, k rows 8 banks apart: conflict-free too)."""
         b = self.block_n * (self.block_k + 4) if b_k_contiguous else self.block_k * (self.block_n + 8)
         return self.block_m * (self.block_k + 4), b
+
+    def shared_bytes(self, b_k_contiguous: bool) -> int:
+        """Dynamic shared memory of a block: `stages` (A, B) tile pairs."""
+        return 4 * self.stages * sum(self.shared_floats(b_k_contiguous))
 
     def check(self, b_k_contiguous: bool = True) -> None:
         """ValueError naming the first broken rule."""
@@ -211,13 +299,13 @@ class GemmConfig(NamedTuple):
         rules = [
             (mi >= 1 and ni >= 1 and self.block_m == 16 * mi * self.warps_m and self.block_n == 8 * ni * self.warps_n,
              "block_m = 16 * warps_m * k, block_n = 8 * warps_n * k"),
-            (self.block_k % 8 == 0 and t % self.block_k == 0 and (self.block_m * self.block_k) % t == 0
-             and (self.block_n * self.block_k) % t == 0, "block_k % 8, threads % block_k, tiles * block_k % threads"),
-            (b_k_contiguous or t % self.block_n == 0, "N-contiguous B: threads % block_n == 0"),
+            (self.block_k % 8 == 0 and t % (self.block_k // 4) == 0, "block_k % 8, threads % (block_k / 4)"),
+            (b_k_contiguous or t % (self.block_n // 4) == 0, "N-contiguous B: threads % (block_n / 4) == 0"),
             (self.sum_every >= 0 and (self.block_k // 8) % max(1, self.group_steps) == 0,
              "sum_every >= 0, min(sum_every, block_k / 8) dividing block_k / 8"),
-            (4 * sum(self.shared_floats(b_k_contiguous)) + 4 * SIM_SCRATCH_PER_WARP * self.warps_m * self.warps_n
-             <= 48 * 1024, "shared memory <= 48 KB"),
+            (self.stages >= 2, "stages >= 2"),
+            (self.shared_bytes(b_k_contiguous) + 4 * SIM_SCRATCH_PER_WARP * self.warps_m * self.warps_n
+             <= MAX_SHARED_BYTES, f"shared memory <= {MAX_SHARED_BYTES // 1024} KB"),
         ]
         for ok, rule in rules:
             if not ok:
@@ -225,96 +313,173 @@ class GemmConfig(NamedTuple):
 
 
 if ON_SIMULATOR:  # every simulated thread is a Python thread: two warps, one fragment each
-    DEFAULT_GEMM = GemmConfig(block_m=16, block_n=16, block_k=8, warps_m=1, warps_n=2)
+    DEFAULT_GEMM = GemmConfig(block_m=16, block_n=16, block_k=8, warps_m=1, warps_n=2, sum_every=1)
 else:
     DEFAULT_GEMM = GemmConfig()
 
 
+def _flat_f32():
+    return types.Array(types.float32, 1, "C")
+
+
 @functools.lru_cache(maxsize=None)
-def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", key_visible=None):
+def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", key_visible=None,
+                aligned: bool = True):
     """The 3xTF32 GEMM kernel for one config; B K-contiguous ("NT": b[n * ldb + k]) or N-contiguous
-    ("NN": b[k * ldb + n]). fusion (softmax around attention's two GEMMs, see gemm_tf32x3x):
+    ("NN": b[k * ldb + n]); aligned: 16-byte copies (a, b 16-byte aligned, lda and ldb multiples of 4), else
+    4-byte ones. fusion (softmax around attention's two GEMMs, see gemm_tf32x3):
       "none"   plain C = alpha * A @ B;
-      "scores" C entries (i, j) that key_visible(i // heads, j, prefix_len, visibility) rejects (or j >= n)
-               become -inf, and each warp writes its rows' softmax partial (max, sum of exp(c - max)) over
-               its block_n / warps_n columns to partials[i, blockIdx.y * warps_n + warp column, 0 / 1];
-      "probs"  A entries a[i, kk] are read as exp(a - row_stats[i, 0]) * row_stats[i, 1]."""
+      "scores" entries (i, j) that key_visible(i // heads, j, prefix_len, visibility) rejects (or j >= n) are
+               masked; with w = alpha * (A @ B)[i, j] (-inf where masked) and M the max of w over the
+               warp's block_n / warps_n columns of row i, C = exp(w - M) (0 where masked; M = 0 when all are),
+               and the warp writes (M, sum of C over those columns) to partials[i, blockIdx.y * warps_n +
+               warp column, 0 / 1];
+      "scaled" each staged chunk's sum is scaled per row as it is added: C[i, j] = alpha * sum over chunks q
+               of scale[i * scale_parts + (k0 of q) // scale_width] * (sum over q's k of A[i, kk] B(kk, j))
+               (needs sum_every >= block_k / 8 and block_k dividing scale_width)."""
     config.check(b_k_contiguous)
     if fusion not in FUSIONS or (fusion == "scores") != (key_visible is not None):
         raise ValueError(f"fusion must be one of {FUSIONS} (key_visible with 'scores' only), got {fusion!r}")
-    SCORES, PROBS = fusion == "scores", fusion == "probs"
+    SCORES, SCALED = fusion == "scores", fusion == "scaled"
+    if SCALED and config.group_steps != config.block_k // 8:
+        raise ValueError(f"'scaled' needs sum_every >= block_k / 8, got {config}")
     from numba_kernels.mla_attention import static_for  # here, not at import: mla_attention may import us
-    BM, BN, BK, T = config.block_m, config.block_n, config.block_k, config.threads
+    BM, BN, BK, T, STAGES = config.block_m, config.block_n, config.block_k, config.threads, config.stages
     MI, NI = config.fragments
     WN = config.warps_n
     WARP_M, WARP_N = BM // config.warps_m, BN // WN
     A_STRIDE = BK + 4
     B_STRIDE = BK + 4 if b_k_contiguous else BN + 8
     A_SIZE, B_SIZE = config.shared_floats(b_k_contiguous)
-    A_LOADS, B_LOADS = BM * BK // T, BN * BK // T
-    PRE, ACC, B_FRAGMENTS = A_LOADS + B_LOADS, MI * NI * 4, 2 * NI  # register array sizes (literal constants)
+    STAGE = A_SIZE + B_SIZE
+    ACC, B_FRAGMENTS = MI * NI * 4, 2 * NI  # register array sizes (literal constants)
     STEPS, SUM_EVERY = BK // 8, config.group_steps
     FRESH = ACC if SUM_EVERY else 1  # the fragments of one group of SUM_EVERY k-steps
-    ROWS_PER_LOAD = T // BK                   # K-contiguous tiles: a load step covers this many rows
-    K_ROWS_PER_LOAD = T // BN if not b_k_contiguous else 0  # N-contiguous B tile: k rows per load step
     SCRATCH = SIM_SCRATCH_PER_WARP * config.warps_m * WN if ON_SIMULATOR else 1
-    ROW_STATS = 2 * BM if PROBS else 1  # the block's rows' (max, 1 / sum) in shared memory
+    CHUNK_SCALES = 2 * MI if SCALED else 1  # this thread's rows' scale of the current chunk
     options = {} if ON_SIMULATOR else dict(launch_bounds=(T, config.blocks_per_sm))
+    copy_wait_stages = copy_wait(STAGES - 2)
 
     @cuda.jit(**_DEVICE)
-    def a_value(a, index, local_row, stats_s):
-        """a[index] (flat), or for "probs" its probability exp(a - row max) / row sum."""
-        if PROBS:
-            return math.exp(at(a, index) - stats_s[2 * local_row]) * stats_s[2 * local_row + 1]
-        return at(a, index)
-
-    @cuda.jit(**_DEVICE)
-    def load_tiles(a, b, m, n, lda, ldb, m0, n0, k0, k_end, pre, stats_s):
-        """This thread's elements of the A [BM, BK] and B tiles at k0 into pre (zeros outside)."""
-        tid = cuda.threadIdx.x
-        row0, col = tid // BK, tid % BK
-        k = k0 + col
-        k_full = k0 + BK <= k_end
-        if k_full and m0 + BM <= m:  # interior tile (block-uniform): no bounds checks
-            a_at = (m0 + row0) * lda + k
-            for i in range(A_LOADS):
-                pre[i] = a_value(a, a_at + i * (ROWS_PER_LOAD * lda), row0 + ROWS_PER_LOAD * i, stats_s)
+    def copy_chunk(dst, dst_index, src, src_index, floats):
+        """floats (0..4) of src[src_index..] to dst[dst_index..dst_index + 4], zeros after them."""
+        if aligned:
+            _copy16(dst, dst_index, src, src_index, 4 * floats)
         else:
-            for i in range(A_LOADS):
-                row = m0 + row0 + ROWS_PER_LOAD * i
-                pre[i] = (a_value(a, row * lda + k, row0 + ROWS_PER_LOAD * i, stats_s) if row < m and k < k_end
-                          else float32(0.0))
-        if k_full and n0 + BN <= n:
-            b_at = (n0 + row0) * ldb + k if b_k_contiguous else (k0 + tid // BN) * ldb + n0 + tid % BN
-            b_step = ROWS_PER_LOAD * ldb if b_k_contiguous else K_ROWS_PER_LOAD * ldb
-            for i in range(B_LOADS):
-                pre[A_LOADS + i] = at(b, b_at + i * b_step)
-        elif b_k_contiguous:
-            for i in range(B_LOADS):
-                row = n0 + row0 + ROWS_PER_LOAD * i
-                pre[A_LOADS + i] = at(b, row * ldb + k) if row < n and k < k_end else float32(0.0)
-        else:
-            column = n0 + tid % BN
-            for i in range(B_LOADS):
-                kb = k0 + tid // BN + K_ROWS_PER_LOAD * i
-                pre[A_LOADS + i] = at(b, kb * ldb + column) if column < n and kb < k_end else float32(0.0)
+            for e in range(4):
+                _copy4(dst, dst_index + e, src, src_index + e if e < floats else 0, 4 if e < floats else 0)
+
+    def k_contiguous_copier(TILE_ROWS):
+        """Device function: the [TILE_ROWS, BK] tile of a K-contiguous operand (rows r0.., k0..) to shared."""
+        PER_ROW = BK // 4
+        ROW_STEP = T // PER_ROW
+        COPIES = -(-TILE_ROWS // ROW_STEP)
+
+        @cuda.jit(**_DEVICE)
+        def copy(tile, tile_at, src, rows, ld, r0, k0, k_end):
+            tid = cuda.threadIdx.x
+            row, col = tid // PER_ROW, (tid % PER_ROW) * 4
+            floats = min(max(k_end - (k0 + col), 0), 4)
+            for i in range(COPIES):
+                r = row + i * ROW_STEP
+                if COPIES * ROW_STEP == TILE_ROWS or r < TILE_ROWS:
+                    valid = floats if r0 + r < rows else 0
+                    copy_chunk(tile, tile_at + r * (BK + 4) + col, src, (r0 + r) * ld + k0 + col if valid > 0 else 0,
+                               valid)
+        return copy
+
+    copy_a = k_contiguous_copier(BM)
+    copy_b_nt = k_contiguous_copier(BN)
+    PER_K_ROW = BN // 4
+    K_ROW_STEP = T // PER_K_ROW if not b_k_contiguous else 1
+    NN_COPIES = -(-BK // K_ROW_STEP)
 
     @cuda.jit(**_DEVICE)
-    def store_tiles(pre, a_s, b_s):
+    def copy_b_nn(tile, tile_at, src, n, ld, n0, k0, k_end):
+        """The [BK, BN] tile of an N-contiguous B (k rows k0.., columns n0..) to shared."""
         tid = cuda.threadIdx.x
-        row0, col = tid // BK, tid % BK
-        for i in range(A_LOADS):
-            at_put(a_s, (row0 + ROWS_PER_LOAD * i) * A_STRIDE + col, pre[i])
-        for i in range(B_LOADS):
+        k_row, col = tid // PER_K_ROW, (tid % PER_K_ROW) * 4
+        floats = min(max(n - (n0 + col), 0), 4)
+        for i in range(NN_COPIES):
+            kk = k_row + i * K_ROW_STEP
+            if NN_COPIES * K_ROW_STEP == BK or kk < BK:
+                valid = floats if k0 + kk < k_end else 0
+                copy_chunk(tile, tile_at + kk * B_STRIDE + col, src, (k0 + kk) * ld + n0 + col if valid > 0 else 0,
+                           valid)
+
+    @cuda.jit(**_DEVICE)
+    def copy_stage(a, b, m, n, lda, ldb, m0, n0, k0, k_end, tiles, stage_at):
+        """Issue the cp.async copies of chunk k0's A and B tiles into the stage at tiles[stage_at]."""
+        copy_a(tiles, stage_at, a, m, lda, m0, k0, k_end)
+        if b_k_contiguous:
+            copy_b_nt(tiles, stage_at + A_SIZE, b, n, ldb, n0, k0, k_end)
+        else:
+            copy_b_nn(tiles, stage_at + A_SIZE, b, n, ldb, n0, k0, k_end)
+
+    @cuda.jit(**_DEVICE)
+    def add_scaled_row(r, args):
+        """acc += chunk_scale[r] * fresh over fragment row r (m16 fragment r // 2, half r % 2)."""
+        acc, fresh, chunk_scale = args
+        i, half = r // 2, r % 2
+        row_scale = chunk_scale[r]
+        for j in range(NI):
+            for u in range(2):
+                o = (i * NI + j) * 4 + 2 * half + u
+                acc[o] += row_scale * fresh[o]
+
+    add_scaled_rows = static_for(2 * MI, add_scaled_row) if SCALED else None
+
+    @cuda.jit(**_DEVICE)
+    def k_step(step, args):
+        """One k-step (8 of the chunk's BK) of the warp tile: 3xTF32 mma of every (m16, n8) fragment pair."""
+        tiles, a_at, fresh, acc, b_hi, b_lo, wm0, wn0, g, tq, scratch, chunk_scale = args
+        b_at = a_at + A_SIZE
+        kc = step * 8 + tq
+        if SUM_EVERY and step % SUM_EVERY == 0:
+            for e in range(ACC):
+                fresh[e] = float32(0.0)
+        for j in range(NI):
             if b_k_contiguous:
-                at_put(b_s, (row0 + ROWS_PER_LOAD * i) * B_STRIDE + col, pre[A_LOADS + i])
+                base = b_at + (wn0 + j * 8 + g) * B_STRIDE + kc
+                v0, v1 = at(tiles, base), at(tiles, base + 4)
             else:
-                at_put(b_s, (tid // BN + K_ROWS_PER_LOAD * i) * B_STRIDE + tid % BN, pre[A_LOADS + i])
+                base = b_at + kc * B_STRIDE + wn0 + j * 8 + g
+                v0, v1 = at(tiles, base), at(tiles, base + 4 * B_STRIDE)
+            b_hi[2 * j], b_lo[2 * j] = tf32_split(v0)
+            b_hi[2 * j + 1], b_lo[2 * j + 1] = tf32_split(v1)
+        for i in range(MI):
+            base = a_at + (wm0 + i * 16 + g) * A_STRIDE + kc
+            h0, l0 = tf32_split(at(tiles, base))
+            h1, l1 = tf32_split(at(tiles, base + 8 * A_STRIDE))
+            h2, l2 = tf32_split(at(tiles, base + 4))
+            h3, l3 = tf32_split(at(tiles, base + 8 * A_STRIDE + 4))
+            for j in range(NI):
+                o = (i * NI + j) * 4
+                if SUM_EVERY:
+                    d0, d1, d2, d3 = fresh[o], fresh[o + 1], fresh[o + 2], fresh[o + 3]
+                else:
+                    d0, d1, d2, d3 = acc[o], acc[o + 1], acc[o + 2], acc[o + 3]
+                d0, d1, d2, d3 = mma_tf32(l0, l1, l2, l3, b_hi[2 * j], b_hi[2 * j + 1], d0, d1, d2, d3, scratch)
+                d0, d1, d2, d3 = mma_tf32(h0, h1, h2, h3, b_lo[2 * j], b_lo[2 * j + 1], d0, d1, d2, d3, scratch)
+                d0, d1, d2, d3 = mma_tf32(h0, h1, h2, h3, b_hi[2 * j], b_hi[2 * j + 1], d0, d1, d2, d3, scratch)
+                if SUM_EVERY:
+                    fresh[o], fresh[o + 1], fresh[o + 2], fresh[o + 3] = d0, d1, d2, d3
+                else:
+                    acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = d0, d1, d2, d3
+        if SUM_EVERY and (step + 1) % SUM_EVERY == 0:  # round-to-nearest adds, once per group
+            if SCALED:
+                add_scaled_rows((acc, fresh, chunk_scale))
+            else:
+                for e in range(ACC):
+                    acc[e] += fresh[e]
+
+    # straight-line k-steps: the next step's shared loads can rise above this step's mma
+    chunk_steps = static_for(STEPS, k_step)
 
     @cuda.jit(**_DEVICE)
     def score_row(r, args):
-        """"scores" epilogue of this thread's fragment row r (m16 fragment r // 2, half r % 2): scale, -inf
-        where masked, and the warp's partial (max, sum of exp(score - max)) of that row."""
+        """"scores" epilogue of this thread's fragment row r (m16 fragment r // 2, half r % 2): scale, mask,
+        exp against the warp's row max, and the warp's partial (max, sum of exp) of that row."""
         acc, alpha, m, n, row0, col0, g, tq, heads, prefix_len, visibility, partials, parts, part, scratch = args
         i, half = r // 2, r % 2
         row = row0 + i * 16 + g + 8 * half
@@ -330,36 +495,36 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
                 acc[o] = value
                 row_max = max(row_max, value)
         row_max = quad_max_sum(row_max, True, scratch)
-        shift = row_max if row_max > float32(-math.inf) else float32(0.0)  # all masked: sum 0
+        shift = row_max if row_max > float32(-math.inf) else float32(0.0)  # all masked: exps 0, sum 0
         row_sum = float32(0.0)
         for j in range(NI):
             for u in range(2):
-                row_sum += math.exp(acc[(i * NI + j) * 4 + 2 * half + u] - shift)
+                o = (i * NI + j) * 4 + 2 * half + u
+                weight = math.exp(acc[o] - shift)
+                acc[o] = weight
+                row_sum += weight
         row_sum = quad_max_sum(row_sum, False, scratch)
         if tq == 0 and row < m:
-            at_put(partials, (row * parts + part) * 2, row_max)
+            at_put(partials, (row * parts + part) * 2, shift)
             at_put(partials, (row * parts + part) * 2 + 1, row_sum)
 
     # a register array stays in registers only with constant indices: one straight-line call per row
     score_rows = static_for(2 * MI, score_row) if SCORES else None
 
-    @cuda.jit(fastmath=False, **options)
-    def gemm_tf32x3(a, b, c, m, n, k, lda, ldb, ldc, alpha, k_per_split, row_stats, partials, visibility, heads,
-                    prefix_len):
+    def gemm_tf32x3(a, b, c, m, n, k, lda, ldb, ldc, alpha, k_per_split, scale, scale_parts, scale_width, partials,
+                    visibility, heads, prefix_len):
         """c[z * m * ldc + i * ldc + j] = alpha * sum over kk of split z of a[i * lda + kk] * B(kk, j), for
         i < m, j < n (every such element written); split z = blockIdx.z covers kk in
         [z * k_per_split, min(k, (z + 1) * k_per_split)). a, b, c flat float32. Grid (ceil(m / BM),
-        ceil(n / BN), splits), T threads. The last five arguments: see gemm_kernel's fusion (unused ones may be
-        any float32 [1] / float32 [1] / uint32 [1, 1] arrays)."""
-        a_s = cuda.shared.array(A_SIZE, float32)
-        b_s = cuda.shared.array(B_SIZE, float32)
+        ceil(n / BN), splits), T threads, shared_bytes of dynamic shared memory. The last seven arguments:
+        see gemm_kernel's fusion (unused ones may be any float32 [1] / int / float32 [1] / uint32 [1, 1])."""
+        tiles = cuda.shared.array(0, float32)
         scratch = cuda.shared.array(SCRATCH, float32)
-        stats_s = cuda.shared.array(ROW_STATS, float32)
         acc = cuda.local.array(ACC, float32)
         fresh = cuda.local.array(FRESH, float32)
-        pre = cuda.local.array(PRE, float32)
         b_hi = cuda.local.array(B_FRAGMENTS, uint32)
         b_lo = cuda.local.array(B_FRAGMENTS, uint32)
+        chunk_scale = cuda.local.array(CHUNK_SCALES, float32)
         tid = cuda.threadIdx.x
         lane = tid % WARP
         g, tq = lane >> 2, lane & 3
@@ -371,59 +536,26 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
         for e in range(ACC):
             acc[e] = float32(0.0)
         chunks = (max(k_end - k_begin, 0) + BK - 1) // BK
-        if PROBS:
-            for e in range(tid, 2 * BM, T):
-                stats_s[e] = at(row_stats, 2 * m0 + e) if m0 + e // 2 < m else float32(0.0)
-            cuda.syncthreads()  # row stats in place before the first A loads
-        if chunks > 0:
-            load_tiles(a, b, m, n, lda, ldb, m0, n0, k_begin, k_end, pre, stats_s)
+        for s in range(STAGES - 1):  # prologue: the first STAGES - 1 chunks in flight
+            if s < chunks:
+                copy_stage(a, b, m, n, lda, ldb, m0, n0, k_begin + s * BK, k_end, tiles, s * STAGE)
+            copy_commit()  # (an empty group past the end keeps the count uniform)
         for chunk in range(chunks):
-            cuda.syncthreads()  # every warp done reading the previous chunk's tiles
-            store_tiles(pre, a_s, b_s)
-            cuda.syncthreads()  # tiles stored
-            if chunk + 1 < chunks:  # the next chunk's global loads in flight during this chunk's mma
-                load_tiles(a, b, m, n, lda, ldb, m0, n0, k_begin + (chunk + 1) * BK, k_end, pre, stats_s)
-            for step in range(STEPS):
-                kc = step * 8 + tq
-                if SUM_EVERY and step % SUM_EVERY == 0:  # constant after unrolling
-                    for e in range(ACC):
-                        fresh[e] = float32(0.0)
-                for j in range(NI):
-                    if b_k_contiguous:
-                        base = (wn0 + j * 8 + g) * B_STRIDE + kc
-                        v0, v1 = at(b_s, base), at(b_s, base + 4)
-                    else:
-                        base = kc * B_STRIDE + wn0 + j * 8 + g
-                        v0, v1 = at(b_s, base), at(b_s, base + 4 * B_STRIDE)
-                    b_hi[2 * j], b_lo[2 * j] = tf32_split(v0)
-                    b_hi[2 * j + 1], b_lo[2 * j + 1] = tf32_split(v1)
-                for i in range(MI):
-                    base = (wm0 + i * 16 + g) * A_STRIDE + kc
-                    h0, l0 = tf32_split(at(a_s, base))
-                    h1, l1 = tf32_split(at(a_s, base + 8 * A_STRIDE))
-                    h2, l2 = tf32_split(at(a_s, base + 4))
-                    h3, l3 = tf32_split(at(a_s, base + 8 * A_STRIDE + 4))
-                    for j in range(NI):
-                        o = (i * NI + j) * 4
-                        if SUM_EVERY:
-                            d0, d1, d2, d3 = fresh[o], fresh[o + 1], fresh[o + 2], fresh[o + 3]
-                        else:
-                            d0, d1, d2, d3 = acc[o], acc[o + 1], acc[o + 2], acc[o + 3]
-                        d0, d1, d2, d3 = mma_tf32(l0, l1, l2, l3, b_hi[2 * j], b_hi[2 * j + 1],
-                                                  d0, d1, d2, d3, scratch)
-                        d0, d1, d2, d3 = mma_tf32(h0, h1, h2, h3, b_lo[2 * j], b_lo[2 * j + 1],
-                                                  d0, d1, d2, d3, scratch)
-                        d0, d1, d2, d3 = mma_tf32(h0, h1, h2, h3, b_hi[2 * j], b_hi[2 * j + 1],
-                                                  d0, d1, d2, d3, scratch)
-                        if SUM_EVERY:
-                            fresh[o], fresh[o + 1], fresh[o + 2], fresh[o + 3] = d0, d1, d2, d3
-                        else:
-                            acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = d0, d1, d2, d3
-                if SUM_EVERY and (step + 1) % SUM_EVERY == 0:  # round-to-nearest adds, once per group
-                    for e in range(ACC):
-                        acc[e] += fresh[e]
+            copy_wait_stages()  # this thread's copies of this chunk landed
+            cuda.syncthreads()  # everyone's landed; everyone done reading the stage refilled next
+            ahead = chunk + STAGES - 1
+            if ahead < chunks:
+                copy_stage(a, b, m, n, lda, ldb, m0, n0, k_begin + ahead * BK, k_end, tiles, (ahead % STAGES) * STAGE)
+            copy_commit()
+            if SCALED:  # loaded now, used after the chunk's k-steps
+                part = (k_begin + chunk * BK) // scale_width
+                for r in range(2 * MI):
+                    row = m0 + wm0 + (r // 2) * 16 + g + 8 * (r % 2)
+                    chunk_scale[r] = at(scale, row * scale_parts + part) if row < m else float32(0.0)
+            chunk_steps((tiles, (chunk % STAGES) * STAGE, fresh, acc, b_hi, b_lo, wm0, wn0, g, tq, scratch,
+                         chunk_scale))
         out0 = cuda.blockIdx.z * m * ldc
-        if SCORES:  # scale, mask, and this warp's softmax partial of each of its rows
+        if SCORES:  # scale, mask, exp and this warp's softmax partial of each of its rows
             score_rows((acc, alpha, m, n, m0 + wm0, n0 + wn0, g, tq, heads, prefix_len, visibility, partials,
                         cuda.gridDim.y * WN, cuda.blockIdx.y * WN + warp % WN, scratch))
             alpha = float32(1.0)  # already applied
@@ -439,7 +571,27 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
                         if column + 1 < n:
                             at_put(c, out0 + row * ldc + column + 1, alpha * acc[o + 2 * half + 1])
 
-    return gemm_tf32x3
+    if ON_SIMULATOR:
+        return cuda.jit(gemm_tf32x3)
+    f32, i64 = _flat_f32(), types.int64
+    signature = types.void(f32, f32, f32, i64, i64, i64, i64, i64, i64, types.float32, i64, f32, i64, i64, f32,
+                           types.Array(types.uint32, 2, "C"), i64, i64)
+    # compiled now for the one signature the launcher passes, so that the opt-in below covers every launch
+    kernel = cuda.jit(signature, fastmath=False, **options)(gemm_tf32x3)
+    _allow_dynamic_shared(kernel, config.shared_bytes(b_k_contiguous))
+    return kernel
+
+
+def _allow_dynamic_shared(kernel, nbytes: int) -> None:
+    """Opt a compiled kernel in to nbytes of dynamic shared memory (a launch above 48 KB fails without it).
+    numba-cuda has no public call for this attribute: its kernel's driver function is set directly."""
+    if nbytes <= 48 * 1024:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    for overload in kernel.overloads.values():
+        function = overload._codelibrary.get_cufunc()
+        driver.cuKernelSetAttribute(attribute, nbytes, function.handle, function.device.id)
 
 
 def gemm_grid(config: GemmConfig, m: int, n: int, splits: int = 1) -> tuple[int, int, int]:
@@ -458,19 +610,26 @@ def _unused_arrays():
 
 
 def softmax_parts(config: GemmConfig, n: int) -> int:
-    """Softmax partials per row that a "scores" GEMM over n columns writes."""
+    """Softmax partials per row that a "scores" GEMM over n columns writes (each over block_n / warps_n)."""
     return -(-n // config.block_n) * config.warps_n
 
 
+def _address(array) -> int:
+    """The device address of an array's first element (0 under the simulator)."""
+    return 0 if ON_SIMULATOR else (array.device_ctypes_pointer.value or 0)
+
+
 def gemm_tf32x3(a, b, c, n: int, k: int, alpha: float = 1.0, b_k_contiguous: bool = True, splits: int = 1,
-                config: GemmConfig = DEFAULT_GEMM, stream=0, fusion: str = "none", row_stats=None, partials=None,
-                visibility=None, heads: int = 1, prefix_len: int = 0, key_visible=None):
+                config: GemmConfig = DEFAULT_GEMM, stream=0, fusion: str = "none", scale=None, scale_width: int = 0,
+                partials=None, visibility=None, heads: int = 1, prefix_len: int = 0, key_visible=None):
     """c[z, i, j] = alpha * sum over split z's k range of a[i, kk] * B(kk, j), i < m, j < n (the rest of c
     untouched). Device arrays, C-contiguous float32: a [m, lda >= k]; b [>= n, ldb >= k] with B(kk, j) =
     b[j, kk] (b_k_contiguous) or [>= k, ldb >= n] with B(kk, j) = b[kk, j]; c [splits, m, ldc >= n].
     The k range is split in `splits` parts of whole block_k chunks (a trailing split may be empty: zeros).
+    16-byte aligned a and b with lda, ldb multiples of 4 copy 16 bytes at a time (else 4).
     Softmax fusions (gemm_kernel): "scores" needs partials float32 [m, softmax_parts(config, n), 2],
-    visibility uint32 [s, words], heads, prefix_len, key_visible; "probs" needs row_stats float32 [m, 2]."""
+    visibility uint32 [s, words], heads, prefix_len, key_visible; "scaled" needs scale float32 [m, parts]
+    and scale_width (a multiple of block_k; parts * scale_width >= k)."""
     for name, array in (("a", a), ("b", b), ("c", c)):
         if array.dtype != np.float32 or not array.is_c_contiguous():
             raise ValueError(f"{name} must be a C-contiguous float32 device array, got {array.dtype}")
@@ -487,19 +646,25 @@ def gemm_tf32x3(a, b, c, n: int, k: int, alpha: float = 1.0, b_k_contiguous: boo
     k_per_split = -(-k_per_split // config.block_k) * config.block_k
     if m == 0 or n == 0:
         return c
-    unused_stats, unused_partials, unused_visibility = _unused_arrays()
+    unused_scale, unused_partials, unused_visibility = _unused_arrays()
+    scale_parts = 0
     if fusion == "scores":
         if splits != 1 or partials is None or tuple(partials.shape) != (m, softmax_parts(config, n), 2):
             raise ValueError(f"'scores' needs splits 1 and partials [{m}, {softmax_parts(config, n)}, 2]")
-        row_stats = unused_stats
-    elif fusion == "probs":
-        if row_stats is None or tuple(row_stats.shape) != (m, 2):
-            raise ValueError(f"'probs' needs row_stats [{m}, 2]")
+        scale = unused_scale
+    elif fusion == "scaled":
+        if (scale is None or len(scale.shape) != 2 or scale.shape[0] != m or scale_width <= 0
+                or scale_width % config.block_k or scale.shape[1] * scale_width < k):
+            raise ValueError(f"'scaled' needs scale [{m}, >= ceil(k / scale_width)] and scale_width a multiple "
+                             f"of block_k {config.block_k}")
+        scale_parts = scale.shape[1]
         partials, visibility = unused_partials, unused_visibility
     else:
-        row_stats, partials, visibility = unused_stats, unused_partials, unused_visibility
-    kernel = gemm_kernel(config, bool(b_k_contiguous), fusion, key_visible if fusion == "scores" else None)
-    kernel[gemm_grid(config, m, n, splits), config.threads, stream](
-        a.reshape(-1), b.reshape(-1), c.reshape(-1), m, n, k, lda, ldb, c.shape[2], np.float32(alpha), k_per_split,
-        row_stats.reshape(-1), partials.reshape(-1), visibility, heads, prefix_len)
+        scale, partials, visibility = unused_scale, unused_partials, unused_visibility
+    aligned = lda % 4 == 0 and ldb % 4 == 0 and _address(a) % 16 == 0 and _address(b) % 16 == 0
+    kernel = gemm_kernel(config, bool(b_k_contiguous), fusion, key_visible if fusion == "scores" else None, aligned)
+    # arrays go whole (the launcher passes a C-contiguous array as the kernel's flat parameter: no reshapes)
+    launcher_for(kernel)(gemm_grid(config, m, n, splits), (config.threads, 1, 1), stream,
+                         config.shared_bytes(b_k_contiguous), a, b, c, m, n, k, lda, ldb, c.shape[2], alpha, k_per_split,
+                         scale, scale_parts, max(scale_width, 1), partials, visibility, heads, prefix_len)
     return c

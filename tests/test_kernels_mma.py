@@ -130,6 +130,46 @@ def test_gemm_matches_float64_with_ragged_sizes(b_k_contiguous, splits):
         np.testing.assert_allclose(out[0, :, :n], first, rtol=1e-5, atol=1e-5 * np.abs(first).max())
 
 
+@pytest.mark.parametrize("b_k_contiguous, stages", [(True, 2), (False, 3)])
+def test_gemm_16_byte_copies_zero_fill_partial_chunks(b_k_contiguous, stages):
+    """lda, ldb multiples of 4 take the 16-byte cp.async path (the ragged test above takes the 4-byte one):
+    k = 30 ends inside a 16-byte chunk, n = 22 too (NN); the bytes past them are zero-filled, not read."""
+    rng = np.random.default_rng(21 + stages)
+    m, n, k = 21, 22, 30
+    config = DEFAULT_GEMM._replace(stages=stages)
+    a = rng.standard_normal((m, 32)).astype(np.float32)
+    a[:, k:] = np.nan
+    b = rng.standard_normal((n, 32) if b_k_contiguous else (k + 2, 24)).astype(np.float32)
+    if b_k_contiguous:
+        b[:, k:] = np.nan
+    else:
+        b[k:], b[:, n:] = np.nan, np.nan
+    c = cuda.to_device(np.full((1, m, n), np.nan, np.float32))
+    gemm_tf32x3(cuda.to_device(a), cuda.to_device(b), c, n, k, b_k_contiguous=b_k_contiguous, config=config)
+    want = a[:, :k].astype(np.float64) @ (b[:n, :k].T if b_k_contiguous else b[:k, :n]).astype(np.float64)
+    got = c.copy_to_host()[0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_gemm_scaled_fusion_scales_each_chunk_per_row():
+    """"scaled": each staged chunk's partial sum of row i is multiplied by scale[i, k0 // scale_width]
+    before it is added (attention's per-part softmax factors), here against float64 on a ragged k."""
+    rng = np.random.default_rng(13)
+    m, n, k = 18, 20, 45
+    width = 2 * DEFAULT_GEMM.block_k
+    a = rng.random((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    scale = rng.random((m, -(-k // width))).astype(np.float32)
+    c = cuda.to_device(np.full((1, m, n), np.nan, np.float32))
+    gemm_tf32x3(cuda.to_device(a), cuda.to_device(b), c, n, k, b_k_contiguous=False, fusion="scaled",
+                scale=cuda.to_device(scale), scale_width=width)
+    want = (a.astype(np.float64) * np.repeat(scale.astype(np.float64), width, axis=1)[:, :k]) @ b.astype(np.float64)
+    got = c.copy_to_host()[0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_gemm_sums_k_groups_in_fresh_fragments_against_truncation():
     """The tensor core's fp32 accumulation truncates (the simulator models it): accumulating all of K in the
     mma registers lets a bias toward zero grow with K (the H200 showed 5e-5 at K = 8192); fresh fragments
@@ -163,21 +203,46 @@ def test_gemm_rejects_bad_shapes_and_configs():
         GemmConfig(block_m=24, block_n=16, block_k=8, warps_m=1, warps_n=2).check()
     with pytest.raises(ValueError, match="sum_every"):
         GemmConfig(block_k=24, sum_every=2).check()
-    with pytest.raises(ValueError, match="48 KB"):
-        GemmConfig(block_m=256, block_n=256, block_k=32, warps_m=2, warps_n=4).check()
+    with pytest.raises(ValueError, match="stages >= 2"):
+        GemmConfig(stages=1).check()
+    with pytest.raises(ValueError, match="227 KB"):
+        GemmConfig(block_m=256, block_n=256, block_k=32, warps_m=2, warps_n=4, stages=4).check()
+    with pytest.raises(ValueError, match="'scaled' needs scale"):
+        gemm_tf32x3(a, b, cuda.to_device(np.zeros((1, 4, 5), np.float32)), 5, 8, fusion="scaled",
+                    scale=cuda.to_device(np.zeros((4, 1), np.float32)), scale_width=DEFAULT_GEMM.block_k + 1)
 
 
 @pytest.mark.gpu
-def test_gemm_default_tiles_on_gpu():
-    """The H200 tile shape (128 x 128, 8 warps) on sizes with partial tiles, both layouts, split-K."""
-    rng = np.random.default_rng(5)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_gemm_default_tiles_on_gpu(offset):
+    """The H200 tile shape (128 x 128, 8 warps) on sizes with partial tiles, both layouts, split-K, 3 stages;
+    offset 1: a starts 4 bytes past a 16-byte boundary, so the 4-byte cp.async path runs."""
+    rng = np.random.default_rng(5 + offset)
     m, n, k = 300, 260, 1000
     a = rng.standard_normal((m, k)).astype(np.float32)
-    for b_k_contiguous, splits in ((True, 1), (False, 3)):
+    d_a = cuda.to_device(np.concatenate([np.zeros(offset, np.float32), a.ravel()]))[offset:].reshape(m, k)
+    for b_k_contiguous, splits, stages in ((True, 1, 2), (False, 3, 2), (False, 1, 3)):
         b = rng.standard_normal((n, k) if b_k_contiguous else (k, n)).astype(np.float32)
         c = cuda.to_device(np.full((splits, m, n), np.nan, np.float32))
-        gemm_tf32x3(cuda.to_device(a), cuda.to_device(b), c, n, k, b_k_contiguous=b_k_contiguous, splits=splits)
+        gemm_tf32x3(d_a, cuda.to_device(b), c, n, k, b_k_contiguous=b_k_contiguous, splits=splits,
+                    config=DEFAULT_GEMM._replace(stages=stages))
         got = c.copy_to_host().astype(np.float64).sum(axis=0)
         want = a.astype(np.float64) @ (b.T if b_k_contiguous else b).astype(np.float64)
         assert np.isfinite(got).all()
         assert np.abs(got - want).max() < 2e-6 * np.abs(want).max()
+
+
+@pytest.mark.gpu
+def test_gemm_scaled_fusion_on_gpu():
+    rng = np.random.default_rng(17)
+    m, n, k, width = 300, 512, 1000, 32
+    a = rng.random((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    scale = rng.random((m, -(-k // width))).astype(np.float32)
+    c = cuda.to_device(np.full((1, m, n), np.nan, np.float32))
+    gemm_tf32x3(cuda.to_device(a), cuda.to_device(b), c, n, k, b_k_contiguous=False, fusion="scaled",
+                scale=cuda.to_device(scale), scale_width=width)
+    want = (a.astype(np.float64) * np.repeat(scale.astype(np.float64), width, axis=1)[:, :k]) @ b.astype(np.float64)
+    got = c.copy_to_host()[0]
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() < 2e-6 * np.abs(want).max()
