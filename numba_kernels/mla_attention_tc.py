@@ -4,7 +4,8 @@ Same math and arguments as numba_kernels.mla_attention.mla_attention (see there)
 s*h query-head pairs share one key/value row per cached token, so attention is two GEMMs around a masked
 softmax (key row t < P visible to all; in-flight row P + j to query i iff bit j of visibility[i]; a query
 that sees no key gets a NaN output):
-  1. q_cat [R, c+r] = [q_lat | q_pe] (R = s*h rows; a copy, so the GEMM reads one K-contiguous operand);
+  1. A [R, c+r] = [q_lat | q_pe] (R = s*h rows): read in place by the score GEMM (its two-part A operand)
+     when both are C-contiguous, else copied to q_cat first;
   2. weights [R, t] = exp(w - M_p) with w = scale * q_cat @ cache[:t]^T (3xTF32 GEMM, "NT":
      numba_kernels.mma) and M_p the max of w over part p (one warp's 32 keys) of the row; masked entries get
      0; the epilogue writes each part's (M_p, sum of its weights);
@@ -15,8 +16,8 @@ that sees no key gets a NaN output):
      fixed order).
 fused_softmax=False runs the unfused order instead (plain score GEMM, masked_softmax_kernel in place, plain
 value GEMM).
-Scratch: R * (c + r + t' + 3 * parts) (+ splits * R * c) floats (t' = t rounded up to 4: 16-byte aligned
-rows), views of one grow-only buffer per stream (workspace: no allocation, and no cuMemFree synchronizing the
+Scratch: R * (t' + 3 * parts) (+ splits * R * c, + R * (c + r) for q_cat) floats (t' = t rounded up to 4:
+16-byte aligned rows), views of one grow-only buffer per stream (workspace: no allocation, and no cuMemFree synchronizing the
 device, once a call of that size has run).
 Dimension letters: s query tokens, h heads, c kv_lora_rank, r qk_rope_head_dim, t = P + s key rows.
 """
@@ -226,21 +227,27 @@ def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scal
     splits = config.value_splits or default_value_splits(rows, keys, latent, config.value)
     parts = softmax_parts(config.score, keys)
     padded_keys = -(-keys // 4) * 4  # score rows 16-byte aligned: the value GEMM copies 16 bytes at a time
+    # contiguous q_lat / q_pe are the score GEMM's A as they are ([q_lat | q_pe] row by row); else a copy
+    in_place = q_lat.is_c_contiguous() and q_pe.is_c_contiguous()
     q_cat, scores, partials, scales, value_parts = workspace_views(
-        stream, ((rows, width), (1, rows, padded_keys), (rows, parts, 2), (rows, parts),
+        stream, ((0 if in_place else rows, width), (1, rows, padded_keys), (rows, parts, 2), (rows, parts),
                  (splits if splits > 1 else 0, rows, latent)))
-    concat_queries_kernel[row_blocks(rows), ROW_THREADS, stream](q_lat, q_pe, q_cat)
+    if in_place:
+        score_a = dict(a=q_lat.reshape(rows, latent), a2=q_pe.reshape(rows, width - latent))
+    else:
+        concat_queries_kernel[row_blocks(rows), ROW_THREADS, stream](q_lat, q_pe, q_cat)
+        score_a = dict(a=q_cat)
+    score_gemm = dict(b=cache, c=scores, n=keys, k=width, alpha=scale, b_k_contiguous=True, config=config.score,
+                      stream=stream, **score_a)
     value_gemm = dict(b_k_contiguous=False, config=config.value, stream=stream)
     if config.fused_softmax:
-        gemm_tf32x3(q_cat, cache, scores, keys, width, alpha=scale, b_k_contiguous=True, config=config.score,
-                    stream=stream, fusion="scores", partials=partials, visibility=visibility, heads=heads,
+        gemm_tf32x3(**score_gemm, fusion="scores", partials=partials, visibility=visibility, heads=heads,
                     prefix_len=prefix_len, key_visible=key_visible)
         merge_partials_kernel[row_blocks(rows), ROW_THREADS, stream](partials.reshape(-1), rows, parts,
                                                                     scales.reshape(-1))
         value_gemm.update(fusion="scaled", scale=scales, scale_width=config.score.block_n // config.score.warps_n)
     else:
-        gemm_tf32x3(q_cat, cache, scores, keys, width, alpha=scale, b_k_contiguous=True, config=config.score,
-                    stream=stream)
+        gemm_tf32x3(**score_gemm)
         masked_softmax_kernel[row_blocks(rows), ROW_THREADS, stream](scores.reshape(-1), rows, keys, padded_keys,
                                                                      heads, prefix_len, visibility)
     if splits == 1:

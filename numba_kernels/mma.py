@@ -388,8 +388,37 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
                                valid)
         return copy
 
-    copy_a = k_contiguous_copier(BM)
     copy_b_nt = k_contiguous_copier(BN)
+    A_PER_ROW = BK // 4
+    A_ROW_STEP = T // A_PER_ROW
+    A_COPIES = -(-BM // A_ROW_STEP)
+
+    @cuda.jit(**_DEVICE)
+    def copy_a(tile, tile_at, a, a2, rows, lda, lda2, k_split, r0, k0, k_end):
+        """The [BM, BK] A tile (rows r0.., k0..) to shared; A(i, kk) = a[i, kk] for kk < k_split, else
+        a2[i, kk - k_split] (16-byte copies never straddle k_split: the launcher checks k_split % 4 == 0)."""
+        tid = cuda.threadIdx.x
+        row, col = tid // A_PER_ROW, (tid % A_PER_ROW) * 4
+        kk = k0 + col
+        floats = min(max(k_end - kk, 0), 4)
+        for i in range(A_COPIES):
+            r = row + i * A_ROW_STEP
+            if A_COPIES * A_ROW_STEP == BM or r < BM:
+                valid = floats if r0 + r < rows else 0
+                at_tile = tile_at + r * A_STRIDE + col
+                if aligned:
+                    if kk < k_split:
+                        _copy16(tile, at_tile, a, (r0 + r) * lda + kk if valid > 0 else 0, 4 * valid)
+                    else:
+                        _copy16(tile, at_tile, a2, (r0 + r) * lda2 + kk - k_split if valid > 0 else 0, 4 * valid)
+                else:
+                    for e in range(4):
+                        if kk + e < k_split:
+                            _copy4(tile, at_tile + e, a, (r0 + r) * lda + kk + e if e < valid else 0,
+                                   4 if e < valid else 0)
+                        else:
+                            _copy4(tile, at_tile + e, a2, (r0 + r) * lda2 + kk + e - k_split if e < valid else 0,
+                                   4 if e < valid else 0)
     PER_K_ROW = BN // 4
     K_ROW_STEP = T // PER_K_ROW if not b_k_contiguous else 1
     NN_COPIES = -(-BK // K_ROW_STEP)
@@ -408,9 +437,9 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
                            valid)
 
     @cuda.jit(**_DEVICE)
-    def copy_stage(a, b, m, n, lda, ldb, m0, n0, k0, k_end, tiles, stage_at):
+    def copy_stage(a, a2, b, m, n, lda, lda2, k_split, ldb, m0, n0, k0, k_end, tiles, stage_at):
         """Issue the cp.async copies of chunk k0's A and B tiles into the stage at tiles[stage_at]."""
-        copy_a(tiles, stage_at, a, m, lda, m0, k0, k_end)
+        copy_a(tiles, stage_at, a, a2, m, lda, lda2, k_split, m0, k0, k_end)
         if b_k_contiguous:
             copy_b_nt(tiles, stage_at + A_SIZE, b, n, ldb, n0, k0, k_end)
         else:
@@ -511,10 +540,11 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
     # a register array stays in registers only with constant indices: one straight-line call per row
     score_rows = static_for(2 * MI, score_row) if SCORES else None
 
-    def gemm_tf32x3(a, b, c, m, n, k, lda, ldb, ldc, alpha, k_per_split, scale, scale_parts, scale_width, partials,
-                    visibility, heads, prefix_len):
-        """c[z * m * ldc + i * ldc + j] = alpha * sum over kk of split z of a[i * lda + kk] * B(kk, j), for
-        i < m, j < n (every such element written); split z = blockIdx.z covers kk in
+    def gemm_tf32x3(a, a2, b, c, m, n, k, lda, lda2, k_split, ldb, ldc, alpha, k_per_split, scale, scale_parts,
+                    scale_width, partials, visibility, heads, prefix_len):
+        """c[z * m * ldc + i * ldc + j] = alpha * sum over kk of split z of A(i, kk) * B(kk, j), for i < m,
+        j < n (every such element written), A(i, kk) = a[i * lda + kk] for kk < k_split, else
+        a2[i * lda2 + kk - k_split]; split z = blockIdx.z covers kk in
         [z * k_per_split, min(k, (z + 1) * k_per_split)). a, b, c flat float32. Grid (ceil(m / BM),
         ceil(n / BN), splits), T threads, shared_bytes of dynamic shared memory. The last seven arguments:
         see gemm_kernel's fusion (unused ones may be any float32 [1] / int / float32 [1] / uint32 [1, 1])."""
@@ -538,14 +568,16 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
         chunks = (max(k_end - k_begin, 0) + BK - 1) // BK
         for s in range(STAGES - 1):  # prologue: the first STAGES - 1 chunks in flight
             if s < chunks:
-                copy_stage(a, b, m, n, lda, ldb, m0, n0, k_begin + s * BK, k_end, tiles, s * STAGE)
+                copy_stage(a, a2, b, m, n, lda, lda2, k_split, ldb, m0, n0, k_begin + s * BK, k_end, tiles,
+                           s * STAGE)
             copy_commit()  # (an empty group past the end keeps the count uniform)
         for chunk in range(chunks):
             copy_wait_stages()  # this thread's copies of this chunk landed
             cuda.syncthreads()  # everyone's landed; everyone done reading the stage refilled next
             ahead = chunk + STAGES - 1
             if ahead < chunks:
-                copy_stage(a, b, m, n, lda, ldb, m0, n0, k_begin + ahead * BK, k_end, tiles, (ahead % STAGES) * STAGE)
+                copy_stage(a, a2, b, m, n, lda, lda2, k_split, ldb, m0, n0, k_begin + ahead * BK, k_end, tiles,
+                           (ahead % STAGES) * STAGE)
             copy_commit()
             if SCALED:  # loaded now, used after the chunk's k-steps
                 part = (k_begin + chunk * BK) // scale_width
@@ -574,8 +606,8 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
     if ON_SIMULATOR:
         return cuda.jit(gemm_tf32x3)
     f32, i64 = _flat_f32(), types.int64
-    signature = types.void(f32, f32, f32, i64, i64, i64, i64, i64, i64, types.float32, i64, f32, i64, i64, f32,
-                           types.Array(types.uint32, 2, "C"), i64, i64)
+    signature = types.void(f32, f32, f32, f32, i64, i64, i64, i64, i64, i64, i64, i64, types.float32, i64, f32, i64,
+                           i64, f32, types.Array(types.uint32, 2, "C"), i64, i64)
     # compiled now for the one signature the launcher passes, so that the opt-in below covers every launch
     kernel = cuda.jit(signature, fastmath=False, **options)(gemm_tf32x3)
     _allow_dynamic_shared(kernel, config.shared_bytes(b_k_contiguous))
@@ -621,25 +653,33 @@ def _address(array) -> int:
 
 def gemm_tf32x3(a, b, c, n: int, k: int, alpha: float = 1.0, b_k_contiguous: bool = True, splits: int = 1,
                 config: GemmConfig = DEFAULT_GEMM, stream=0, fusion: str = "none", scale=None, scale_width: int = 0,
-                partials=None, visibility=None, heads: int = 1, prefix_len: int = 0, key_visible=None):
-    """c[z, i, j] = alpha * sum over split z's k range of a[i, kk] * B(kk, j), i < m, j < n (the rest of c
-    untouched). Device arrays, C-contiguous float32: a [m, lda >= k]; b [>= n, ldb >= k] with B(kk, j) =
-    b[j, kk] (b_k_contiguous) or [>= k, ldb >= n] with B(kk, j) = b[kk, j]; c [splits, m, ldc >= n].
+                partials=None, visibility=None, heads: int = 1, prefix_len: int = 0, key_visible=None, a2=None):
+    """c[z, i, j] = alpha * sum over split z's k range of A(i, kk) * B(kk, j), i < m, j < n (the rest of c
+    untouched). Device arrays, C-contiguous float32: A = a [m, lda >= k], or with a2 the columns of a [m, lda]
+    then those of a2 [m, lda2] (A(i, kk) = a[i, kk] for kk < lda, a2[i, kk - lda] after: attention's
+    [q_lat | q_pe] without a copy); b [>= n, ldb >= k] with B(kk, j) = b[j, kk] (b_k_contiguous) or
+    [>= k, ldb >= n] with B(kk, j) = b[kk, j]; c [splits, m, ldc >= n].
     The k range is split in `splits` parts of whole block_k chunks (a trailing split may be empty: zeros).
-    16-byte aligned a and b with lda, ldb multiples of 4 copy 16 bytes at a time (else 4).
+    16-byte aligned operands with row lengths (and lda, with a2) multiples of 4 copy 16 bytes at a time (else 4).
     Softmax fusions (gemm_kernel): "scores" needs partials float32 [m, softmax_parts(config, n), 2],
     visibility uint32 [s, words], heads, prefix_len, key_visible; "scaled" needs scale float32 [m, parts]
     and scale_width (a multiple of block_k; parts * scale_width >= k)."""
-    for name, array in (("a", a), ("b", b), ("c", c)):
+    for name, array in (("a", a), ("b", b), ("c", c)) + ((("a2", a2),) if a2 is not None else ()):
         if array.dtype != np.float32 or not array.is_c_contiguous():
             raise ValueError(f"{name} must be a C-contiguous float32 device array, got {array.dtype}")
     m, lda = a.shape
     ldb = b.shape[1]
+    if a2 is None:
+        a2, lda2, k_split = a, lda, lda  # A is a alone (every kk < k <= lda): a2 never read
+    else:
+        if len(a2.shape) != 2 or a2.shape[0] != m:
+            raise ValueError(f"a2 must be float32 [{m}, lda2], got {list(a2.shape)}")
+        lda2, k_split = a2.shape[1], lda
     if len(c.shape) != 3 or c.shape[0] != splits or c.shape[1] != m or c.shape[2] < n:
         raise ValueError(f"c must be float32 [{splits}, {m}, >= {n}], got {list(c.shape)}")
     b_rows, b_cols = (n, k) if b_k_contiguous else (k, n)
-    if lda < k or b.shape[0] < b_rows or ldb < b_cols:
-        raise ValueError(f"a [{m}, {lda}] / b {list(b.shape)} too small for n={n}, k={k}")
+    if (lda if a2 is a else lda + lda2) < k or b.shape[0] < b_rows or ldb < b_cols:
+        raise ValueError(f"a [{m}, {lda}] (+ a2) / b {list(b.shape)} too small for n={n}, k={k}")
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     k_per_split = -(-max(k, 1) // splits)
@@ -661,10 +701,12 @@ def gemm_tf32x3(a, b, c, n: int, k: int, alpha: float = 1.0, b_k_contiguous: boo
         partials, visibility = unused_partials, unused_visibility
     else:
         scale, partials, visibility = unused_scale, unused_partials, unused_visibility
-    aligned = lda % 4 == 0 and ldb % 4 == 0 and _address(a) % 16 == 0 and _address(b) % 16 == 0
+    aligned = (lda % 4 == 0 and lda2 % 4 == 0 and ldb % 4 == 0 and k_split % 4 == 0 and _address(a) % 16 == 0
+               and _address(a2) % 16 == 0 and _address(b) % 16 == 0)
     kernel = gemm_kernel(config, bool(b_k_contiguous), fusion, key_visible if fusion == "scores" else None, aligned)
     # arrays go whole (the launcher passes a C-contiguous array as the kernel's flat parameter: no reshapes)
     launcher_for(kernel)(gemm_grid(config, m, n, splits), (config.threads, 1, 1), stream,
-                         config.shared_bytes(b_k_contiguous), a, b, c, m, n, k, lda, ldb, c.shape[2], alpha, k_per_split,
-                         scale, scale_parts, max(scale_width, 1), partials, visibility, heads, prefix_len)
+                         config.shared_bytes(b_k_contiguous), a, a2, b, c, m, n, k, lda, lda2, k_split, ldb,
+                         c.shape[2], alpha, k_per_split, scale, scale_parts, max(scale_width, 1), partials, visibility,
+                         heads, prefix_len)
     return c

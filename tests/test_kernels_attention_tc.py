@@ -56,6 +56,22 @@ def test_attention_tc_matches_float64(tokens, heads, latent, rope, prefix, causa
 
 
 @pytest.mark.sim
+def test_attention_tc_strided_queries_are_copied_first():
+    """q_lat / q_pe as strided device views (not C-contiguous) take the q_cat copy instead of the score GEMM's
+    in-place two-part A operand; same result."""
+    rng = np.random.default_rng(19)
+    tokens, heads, latent, rope, prefix = 5, 2, 16, 4, 9
+    q_lat, q_pe, cache = make_inputs(rng, tokens, heads, latent, rope, prefix)
+    wide = np.concatenate([q_lat, q_pe, np.full((tokens, heads, 3), np.nan, np.float32)], axis=2)
+    d_wide = cuda.to_device(wide)
+    visible = random_tree_visibility(tokens, rng)
+    out = cuda.to_device(np.full((tokens, heads, latent), np.nan, np.float32))
+    mla_attention_tc(d_wide[:, :, :latent], d_wide[:, :, latent:latent + rope], cache, prefix,
+                     pack_visibility(visible), 0.3, out=out)
+    assert_close(out.copy_to_host(), reference(q_lat, q_pe, cache, prefix, visible, 0.3))
+
+
+@pytest.mark.sim
 @pytest.mark.parametrize("fused", [True, False])
 def test_attention_tc_masked_keys_get_no_weight_and_blind_query_is_nan(fused):
     """A huge value in a key row a query must not see would dominate its output if the mask leaked; a

@@ -152,6 +152,22 @@ def test_gemm_16_byte_copies_zero_fill_partial_chunks(b_k_contiguous, stages):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("split_at, rest", [(16, 12), (13, 6)])
+def test_gemm_two_part_a_operand(split_at, rest):
+    """A = [a | a2] column-wise (attention's q_lat | q_pe read in place): 16-byte copies when both row lengths
+    are multiples of 4 (16 + 12), 4-byte ones that switch source mid-chunk otherwise (13 + 6)."""
+    rng = np.random.default_rng(split_at)
+    m, n = 19, 21
+    a, a2 = rng.standard_normal((m, split_at)).astype(np.float32), rng.standard_normal((m, rest)).astype(np.float32)
+    b = rng.standard_normal((n, split_at + rest)).astype(np.float32)
+    c = cuda.to_device(np.full((1, m, n), np.nan, np.float32))
+    gemm_tf32x3(cuda.to_device(a), cuda.to_device(b), c, n, split_at + rest, a2=cuda.to_device(a2))
+    want = np.concatenate([a, a2], axis=1).astype(np.float64) @ b.T.astype(np.float64)
+    got = c.copy_to_host()[0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_gemm_scaled_fusion_scales_each_chunk_per_row():
     """"scaled": each staged chunk's partial sum of row i is multiplied by scale[i, k0 // scale_width]
     before it is added (attention's per-part softmax factors), here against float64 on a ragged k."""
