@@ -370,55 +370,42 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
                 _copy4(dst, dst_index + e, src, src_index + e if e < floats else 0, 4 if e < floats else 0)
 
     def k_contiguous_copier(TILE_ROWS):
-        """Device function: the [TILE_ROWS, BK] tile of a K-contiguous operand (rows r0.., k0..) to shared."""
+        """Device function: the [TILE_ROWS, BK] tile (rows r0.., k0..) of a K-contiguous operand X to shared,
+        X(i, kk) = a[i, kk] for kk < k_split, else a2[i, kk - k_split] (one operand: a2 = a, k_split = lda;
+        16-byte copies never straddle k_split: gemm_tf32x3 takes them only when k_split % 4 == 0)."""
         PER_ROW = BK // 4
         ROW_STEP = T // PER_ROW
         COPIES = -(-TILE_ROWS // ROW_STEP)
 
         @cuda.jit(**_DEVICE)
-        def copy(tile, tile_at, src, rows, ld, r0, k0, k_end):
+        def copy(tile, tile_at, a, a2, rows, lda, lda2, k_split, r0, k0, k_end):
             tid = cuda.threadIdx.x
             row, col = tid // PER_ROW, (tid % PER_ROW) * 4
-            floats = min(max(k_end - (k0 + col), 0), 4)
+            kk = k0 + col
+            floats = min(max(k_end - kk, 0), 4)
             for i in range(COPIES):
                 r = row + i * ROW_STEP
                 if COPIES * ROW_STEP == TILE_ROWS or r < TILE_ROWS:
                     valid = floats if r0 + r < rows else 0
-                    copy_chunk(tile, tile_at + r * (BK + 4) + col, src, (r0 + r) * ld + k0 + col if valid > 0 else 0,
-                               valid)
+                    at_tile = tile_at + r * (BK + 4) + col
+                    if aligned:
+                        if kk < k_split:
+                            _copy16(tile, at_tile, a, (r0 + r) * lda + kk if valid > 0 else 0, 4 * valid)
+                        else:
+                            _copy16(tile, at_tile, a2, (r0 + r) * lda2 + kk - k_split if valid > 0 else 0,
+                                    4 * valid)
+                    else:
+                        for e in range(4):
+                            if kk + e < k_split:
+                                _copy4(tile, at_tile + e, a, (r0 + r) * lda + kk + e if e < valid else 0,
+                                       4 if e < valid else 0)
+                            else:
+                                _copy4(tile, at_tile + e, a2, (r0 + r) * lda2 + kk + e - k_split if e < valid else 0,
+                                       4 if e < valid else 0)
         return copy
 
+    copy_a = k_contiguous_copier(BM)
     copy_b_nt = k_contiguous_copier(BN)
-    A_PER_ROW = BK // 4
-    A_ROW_STEP = T // A_PER_ROW
-    A_COPIES = -(-BM // A_ROW_STEP)
-
-    @cuda.jit(**_DEVICE)
-    def copy_a(tile, tile_at, a, a2, rows, lda, lda2, k_split, r0, k0, k_end):
-        """The [BM, BK] A tile (rows r0.., k0..) to shared; A(i, kk) = a[i, kk] for kk < k_split, else
-        a2[i, kk - k_split] (16-byte copies never straddle k_split: the launcher checks k_split % 4 == 0)."""
-        tid = cuda.threadIdx.x
-        row, col = tid // A_PER_ROW, (tid % A_PER_ROW) * 4
-        kk = k0 + col
-        floats = min(max(k_end - kk, 0), 4)
-        for i in range(A_COPIES):
-            r = row + i * A_ROW_STEP
-            if A_COPIES * A_ROW_STEP == BM or r < BM:
-                valid = floats if r0 + r < rows else 0
-                at_tile = tile_at + r * A_STRIDE + col
-                if aligned:
-                    if kk < k_split:
-                        _copy16(tile, at_tile, a, (r0 + r) * lda + kk if valid > 0 else 0, 4 * valid)
-                    else:
-                        _copy16(tile, at_tile, a2, (r0 + r) * lda2 + kk - k_split if valid > 0 else 0, 4 * valid)
-                else:
-                    for e in range(4):
-                        if kk + e < k_split:
-                            _copy4(tile, at_tile + e, a, (r0 + r) * lda + kk + e if e < valid else 0,
-                                   4 if e < valid else 0)
-                        else:
-                            _copy4(tile, at_tile + e, a2, (r0 + r) * lda2 + kk + e - k_split if e < valid else 0,
-                                   4 if e < valid else 0)
     PER_K_ROW = BN // 4
     K_ROW_STEP = T // PER_K_ROW if not b_k_contiguous else 1
     NN_COPIES = -(-BK // K_ROW_STEP)
@@ -441,7 +428,7 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
         """Issue the cp.async copies of chunk k0's A and B tiles into the stage at tiles[stage_at]."""
         copy_a(tiles, stage_at, a, a2, m, lda, lda2, k_split, m0, k0, k_end)
         if b_k_contiguous:
-            copy_b_nt(tiles, stage_at + A_SIZE, b, n, ldb, n0, k0, k_end)
+            copy_b_nt(tiles, stage_at + A_SIZE, b, b, n, ldb, ldb, ldb, n0, k0, k_end)
         else:
             copy_b_nn(tiles, stage_at + A_SIZE, b, n, ldb, n0, k0, k_end)
 

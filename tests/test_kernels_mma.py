@@ -168,12 +168,9 @@ def test_gemm_two_part_a_operand(split_at, rest):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_gemm_scaled_fusion_scales_each_chunk_per_row():
-    """"scaled": each staged chunk's partial sum of row i is multiplied by scale[i, k0 // scale_width]
-    before it is added (attention's per-part softmax factors), here against float64 on a ragged k."""
-    rng = np.random.default_rng(13)
-    m, n, k = 18, 20, 45
-    width = 2 * DEFAULT_GEMM.block_k
+def scaled_gemm_vs_float64(m, n, k, width, seed):
+    """(got, float64 want) of a "scaled" GEMM on random data: row i's chunk sums times scale[i, k0 // width]."""
+    rng = np.random.default_rng(seed)
     a = rng.random((m, k)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
     scale = rng.random((m, -(-k // width))).astype(np.float32)
@@ -181,7 +178,13 @@ def test_gemm_scaled_fusion_scales_each_chunk_per_row():
     gemm_tf32x3(cuda.to_device(a), cuda.to_device(b), c, n, k, b_k_contiguous=False, fusion="scaled",
                 scale=cuda.to_device(scale), scale_width=width)
     want = (a.astype(np.float64) * np.repeat(scale.astype(np.float64), width, axis=1)[:, :k]) @ b.astype(np.float64)
-    got = c.copy_to_host()[0]
+    return c.copy_to_host()[0], want
+
+
+def test_gemm_scaled_fusion_scales_each_chunk_per_row():
+    """"scaled": each staged chunk's partial sum of row i is multiplied by scale[i, k0 // scale_width]
+    before it is added (attention's per-part softmax factors), here against float64 on a ragged k."""
+    got, want = scaled_gemm_vs_float64(18, 20, 45, 2 * DEFAULT_GEMM.block_k, seed=13)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -250,15 +253,6 @@ def test_gemm_default_tiles_on_gpu(offset):
 
 @pytest.mark.gpu
 def test_gemm_scaled_fusion_on_gpu():
-    rng = np.random.default_rng(17)
-    m, n, k, width = 300, 512, 1000, 32
-    a = rng.random((m, k)).astype(np.float32)
-    b = rng.standard_normal((k, n)).astype(np.float32)
-    scale = rng.random((m, -(-k // width))).astype(np.float32)
-    c = cuda.to_device(np.full((1, m, n), np.nan, np.float32))
-    gemm_tf32x3(cuda.to_device(a), cuda.to_device(b), c, n, k, b_k_contiguous=False, fusion="scaled",
-                scale=cuda.to_device(scale), scale_width=width)
-    want = (a.astype(np.float64) * np.repeat(scale.astype(np.float64), width, axis=1)[:, :k]) @ b.astype(np.float64)
-    got = c.copy_to_host()[0]
+    got, want = scaled_gemm_vs_float64(300, 512, 1000, 32, seed=17)
     assert np.isfinite(got).all()
     assert np.abs(got - want).max() < 2e-6 * np.abs(want).max()
