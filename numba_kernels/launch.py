@@ -56,17 +56,18 @@ class Launcher:
             return
         if len(kernel.overloads) != 1:
             raise ValueError(f"Launcher needs a kernel compiled for one signature, got {len(kernel.overloads)}")
+        import numpy as np
         from cuda.core import LaunchConfig, launch
         from numba.cuda import types
         self._launch, self._config = launch, LaunchConfig
         overload = next(iter(kernel.overloads.values()))
         self._function = overload._codelibrary.get_cufunc().kernel
-        self._kinds = []  # per parameter: ("array", ndim, dtype) / ("int", ctype) / ("float32",)
+        self._kinds = []  # per parameter: ("array", ndim, numpy dtype) / ("int", ctype) / ("float32",)
         for ty in overload.argument_types:
             if isinstance(ty, types.Array):
                 if ty.ndim == 1 and ty.layout != "C":
                     raise TypeError(f"Launcher: 1-D parameters must be C-contiguous, got {ty}")
-                self._kinds.append(("array", ty.ndim, str(ty.dtype)))
+                self._kinds.append(("array", ty.ndim, np.dtype(str(ty.dtype))))  # compared as objects: str() costs us
             elif isinstance(ty, types.Integer):
                 self._kinds.append(("int", getattr(ctypes, f"c_{'u' if not ty.signed else ''}int{ty.bitwidth}")))
             elif ty == types.float32:
@@ -83,7 +84,7 @@ class Launcher:
         params = []
         for kind, value in zip(self._kinds, args):
             if kind[0] == "array":
-                if str(value.dtype) != kind[2]:
+                if value.dtype != kind[2]:
                     raise TypeError(f"Launcher: {kind[2]} array expected, got {value.dtype}")
                 size, itemsize = value.size, value.dtype.itemsize
                 params += (0, 0, size, itemsize, value.device_ctypes_pointer.value or 0)

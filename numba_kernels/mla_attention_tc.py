@@ -233,7 +233,7 @@ def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scal
         stream, ((0 if in_place else rows, width), (1, rows, padded_keys), (rows, parts, 2), (rows, parts),
                  (splits if splits > 1 else 0, rows, latent)))
     if in_place:
-        score_a = dict(a=q_lat.reshape(rows, latent), a2=q_pe.reshape(rows, width - latent))
+        score_a = dict(a=q_lat, a2=q_pe)  # [s, h, c] / [s, h, r]: the GEMM takes m = s * h rows as they are
     else:
         concat_queries_kernel[row_blocks(rows), ROW_THREADS, stream](q_lat, q_pe, q_cat)
         score_a = dict(a=q_cat)

@@ -644,7 +644,7 @@ def gemm_tf32x3(a, b, c, n: int, k: int, alpha: float = 1.0, b_k_contiguous: boo
     """c[z, i, j] = alpha * sum over split z's k range of A(i, kk) * B(kk, j), i < m, j < n (the rest of c
     untouched). Device arrays, C-contiguous float32: A = a [m, lda >= k], or with a2 the columns of a [m, lda]
     then those of a2 [m, lda2] (A(i, kk) = a[i, kk] for kk < lda, a2[i, kk - lda] after: attention's
-    [q_lat | q_pe] without a copy); b [>= n, ldb >= k] with B(kk, j) = b[j, kk] (b_k_contiguous) or
+    [q_lat | q_pe] without a copy; a and a2 may come as [..., lda] with the leading dimensions making m); b [>= n, ldb >= k] with B(kk, j) = b[j, kk] (b_k_contiguous) or
     [>= k, ldb >= n] with B(kk, j) = b[kk, j]; c [splits, m, ldc >= n].
     The k range is split in `splits` parts of whole block_k chunks (a trailing split may be empty: zeros).
     16-byte aligned operands with row lengths (and lda, with a2) multiples of 4 copy 16 bytes at a time (else 4).
@@ -654,14 +654,18 @@ def gemm_tf32x3(a, b, c, n: int, k: int, alpha: float = 1.0, b_k_contiguous: boo
     for name, array in (("a", a), ("b", b), ("c", c)) + ((("a2", a2),) if a2 is not None else ()):
         if array.dtype != np.float32 or not array.is_c_contiguous():
             raise ValueError(f"{name} must be a C-contiguous float32 device array, got {array.dtype}")
-    m, lda = a.shape
+    a_shape = tuple(a.shape)  # (the simulator's shapes do not slice)
+    if len(a_shape) < 2:
+        raise ValueError(f"a must be float32 [m, lda], got {list(a_shape)}")
+    m, lda = math.prod(a_shape[:-1]), a_shape[-1]
     ldb = b.shape[1]
     if a2 is None:
         a2, lda2, k_split = a, lda, lda  # A is a alone (every kk < k <= lda): a2 never read
     else:
-        if len(a2.shape) != 2 or a2.shape[0] != m:
-            raise ValueError(f"a2 must be float32 [{m}, lda2], got {list(a2.shape)}")
-        lda2, k_split = a2.shape[1], lda
+        a2_shape = tuple(a2.shape)
+        if len(a2_shape) < 2 or a2_shape[:-1] != a_shape[:-1]:
+            raise ValueError(f"a2 must be float32 {list(a_shape[:-1])} + [lda2], got {list(a2_shape)}")
+        lda2, k_split = a2_shape[-1], lda
     if len(c.shape) != 3 or c.shape[0] != splits or c.shape[1] != m or c.shape[2] < n:
         raise ValueError(f"c must be float32 [{splits}, {m}, >= {n}], got {list(c.shape)}")
     b_rows, b_cols = (n, k) if b_k_contiguous else (k, n)

@@ -130,6 +130,22 @@ def test_gemm_matches_float64_with_ragged_sizes(b_k_contiguous, splits):
         np.testing.assert_allclose(out[0, :, :n], first, rtol=1e-5, atol=1e-5 * np.abs(first).max())
 
 
+@pytest.mark.parametrize("b_k_contiguous", [True, False])
+def test_gemm_warp_tiles_of_several_fragments(b_k_contiguous):
+    """2 x 2 fragments a warp (the default simulator config has one): each fragment's shared offsets and
+    its accumulator slot, for both B layouts."""
+    rng = np.random.default_rng(11)
+    m, n, k = 45, 50, 27
+    config = GemmConfig(block_m=32, block_n=32, block_k=8, warps_m=1, warps_n=2, sum_every=1)
+    assert config.fragments == (2, 2)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if b_k_contiguous else (k, n)).astype(np.float32)
+    c = cuda.to_device(np.full((1, m, n), np.nan, np.float32))
+    gemm_tf32x3(cuda.to_device(a), cuda.to_device(b), c, n, k, b_k_contiguous=b_k_contiguous, config=config)
+    want = a.astype(np.float64) @ (b.T if b_k_contiguous else b).astype(np.float64)
+    np.testing.assert_allclose(c.copy_to_host()[0], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("b_k_contiguous, stages", [(True, 2), (False, 3)])
 def test_gemm_16_byte_copies_zero_fill_partial_chunks(b_k_contiguous, stages):
     """lda, ldb multiples of 4 take the 16-byte cp.async path (the ragged test above takes the 4-byte one):
