@@ -1,16 +1,17 @@
 """Launch a kernel compiled for one signature without Numba's per-call argument processing.
 
 Numba's dispatcher types every argument and wraps every array in a strided memory view on each launch: 63 us
-of host time for the 18-argument tensor-core GEMM on the H200's host, against 20 us for cuda.core's launch
-with the parameters built here (measured 2026-11-29). A call whose first kernel waits for that host time pays
-it in full: one tree-verify attention call at P=8192, s=64 took 2.06 ms with Numba's launches, 1.78 ms with
-these.
+of host time for the 21-argument tensor-core GEMM on the H200's host. A call whose first kernel waits for that
+host time pays it in full (one tree-verify attention call at P=8192, s=64: 2.06 ms with Numba's launches).
+Here the parameters are packed into one reused buffer and handed to cuLaunchKernel: 21-23 us a GEMM launch
+inside the attention call, against 31-38 us through cuda.core's launch (measured 2026-11-29, two device
+sessions of .prof/s7_host.py).
 
 The parameters follow Numba's kernel ABI for the types the kernel was compiled for: an array is (meminfo,
 parent, nitems, itemsize, data pointer, shape..., strides in bytes...) with meminfo and parent 0, as Numba's
-own launch passes them; integers and float32 scalars as ctypes values. A C-contiguous array of any rank may
-be given for a 1-D C-contiguous parameter (it is passed as its flat data, no reshaped view needed). Under the
-simulator the launch goes through Numba as usual.
+own launch passes them; integers (32 / 64 bits) and float32 scalars as themselves. A C-contiguous array of
+any rank may be given for a 1-D C-contiguous parameter (it is passed as its flat data, no reshaped view
+needed). Under the simulator the launch goes through Numba as usual.
 
     launcher = Launcher(kernel)   # kernel = cuda.jit(signature)(fn): exactly one compiled overload
     launcher(grid, block, stream, shared_bytes, *args)
@@ -18,11 +19,12 @@ simulator the launch goes through Numba as usual.
 from __future__ import annotations
 
 import ctypes
+import struct
+import threading
 
 from numba_kernels.warp import ON_SIMULATOR
 
 _LAUNCHERS: dict = {}  # id(kernel) -> Launcher
-_CORE_STREAMS: dict = {}  # CUDA stream handle -> cuda.core stream (a wrapper of the handle, nothing owned)
 
 
 def stream_key(stream) -> int:
@@ -37,16 +39,6 @@ def stream_key(stream) -> int:
     return int(handle) if handle is not None else 0
 
 
-def _core_stream(stream):
-    """The cuda.core stream of a Numba stream, cached by handle (it wraps the handle, owning nothing)."""
-    key = stream_key(stream)
-    core = _CORE_STREAMS.get(key)
-    if core is None:
-        from numba.cuda.cudadrv import driver
-        core = _CORE_STREAMS[key] = driver._to_core_stream(stream if key else 0)
-    return core
-
-
 class Launcher:
     """Launches of one compiled kernel; see the module docstring."""
 
@@ -57,23 +49,35 @@ class Launcher:
         if len(kernel.overloads) != 1:
             raise ValueError(f"Launcher needs a kernel compiled for one signature, got {len(kernel.overloads)}")
         import numpy as np
-        from cuda.core import LaunchConfig, launch
+        from cuda.bindings import driver
         from numba.cuda import types
-        self._launch, self._config = launch, LaunchConfig
+        self._driver = driver
         overload = next(iter(kernel.overloads.values()))
-        self._function = overload._codelibrary.get_cufunc().kernel
-        self._kinds = []  # per parameter: ("array", ndim, numpy dtype) / ("int", ctype) / ("float32",)
+        self._handle = overload._codelibrary.get_cufunc().handle  # a CUkernel: cuLaunchKernel takes it as is
+        self._kinds = []  # per parameter: ("array", ndim, numpy dtype) / ("int",) / ("float32",)
+        formats = []  # struct format of each 8-byte parameter slot
         for ty in overload.argument_types:
             if isinstance(ty, types.Array):
                 if ty.ndim == 1 and ty.layout != "C":
                     raise TypeError(f"Launcher: 1-D parameters must be C-contiguous, got {ty}")
                 self._kinds.append(("array", ty.ndim, np.dtype(str(ty.dtype))))  # compared as objects: str() costs us
-            elif isinstance(ty, types.Integer):
-                self._kinds.append(("int", getattr(ctypes, f"c_{'u' if not ty.signed else ''}int{ty.bitwidth}")))
+                formats += ["q", "q", "q", "q", "Q"] + ["q"] * (2 * ty.ndim)  # meminfo, parent, nitems, itemsize, data
+            elif isinstance(ty, types.Integer) and ty.bitwidth in (32, 64):
+                self._kinds.append(("int",))
+                formats.append({(32, True): "i4x", (32, False): "I4x", (64, True): "q", (64, False): "Q"}[
+                    (ty.bitwidth, ty.signed)])
             elif ty == types.float32:
                 self._kinds.append(("float32",))
+                formats.append("f4x")
             else:
                 raise TypeError(f"Launcher: unsupported parameter type {ty}")
+        # every parameter in its own 8-byte slot of one buffer, packed per launch; the driver copies the values
+        # during cuLaunchKernel, so the buffer is reused (under a lock: launches from two threads would race)
+        self._packer = struct.Struct("<" + "".join(formats))
+        self._buffer = ctypes.create_string_buffer(max(self._packer.size, 8))
+        base = ctypes.addressof(self._buffer)
+        self._slots = (ctypes.c_void_p * len(formats))(*[base + 8 * i for i in range(len(formats))])
+        self._lock = threading.Lock()
 
     def __call__(self, grid, block, stream, shared_bytes: int, *args) -> None:
         if ON_SIMULATOR:
@@ -81,28 +85,36 @@ class Launcher:
             return
         if len(args) != len(self._kinds):
             raise TypeError(f"kernel takes {len(self._kinds)} arguments, got {len(args)}")
-        params = []
+        values = []
         for kind, value in zip(self._kinds, args):
             if kind[0] == "array":
                 if value.dtype != kind[2]:
                     raise TypeError(f"Launcher: {kind[2]} array expected, got {value.dtype}")
                 size, itemsize = value.size, value.dtype.itemsize
-                params += (0, 0, size, itemsize, value.device_ctypes_pointer.value or 0)
+                values += (0, 0, size, itemsize, value.device_ctypes_pointer.value or 0)
                 if kind[1] == len(value.shape):
-                    params += value.shape
-                    params += value.strides
+                    values += value.shape
+                    values += value.strides
                 elif kind[1] == 1 and value.is_c_contiguous():  # a C-contiguous array as its flat data
-                    params += (size, itemsize)
+                    values += (size, itemsize)
                 else:
                     raise TypeError(f"Launcher: {kind[1]}-D array expected, got shape {value.shape}")
-            elif kind[0] == "int":
-                params.append(kind[1](value))
             else:
-                params.append(ctypes.c_float(value))
+                values.append(value)
         grid = grid if isinstance(grid, tuple) else (grid,)
         block = block if isinstance(block, tuple) else (block,)
-        self._launch(_core_stream(stream), self._config(grid=grid, block=block, shmem_size=shared_bytes),
-                     self._function, *params)
+        gx, gy, gz = grid + (1,) * (3 - len(grid))
+        bx, by, bz = block + (1,) * (3 - len(block))
+        with self._lock:
+            try:
+                self._packer.pack_into(self._buffer, 0, *values)
+            except struct.error as error:
+                raise TypeError(f"Launcher: an argument does not fit its parameter type ({error})") from None
+            result, = self._driver.cuLaunchKernel(self._handle, gx, gy, gz, bx, by, bz, shared_bytes,
+                                                  stream_key(stream), ctypes.addressof(self._slots), 0)
+        if result != self._driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel failed: {result.name} (grid {grid}, block {block}, "
+                               f"{shared_bytes} bytes of shared memory)")
 
 
 def launcher_for(kernel) -> Launcher:
