@@ -13,6 +13,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from numba_kernels.launch import launch
 from numba_kernels.rmsnorm import inverse_rms, as_device_array, is_device_array
 from numba_kernels.rope import RopeTable, check_positions, rotate_pair
 from numba_kernels.warp import ON_SIMULATOR, block_sum, row_blocks
@@ -76,6 +77,6 @@ def write_kv_rows(cache, layer: int, cache_start: int, kv_a, kv_norm_weight, eps
         raise ValueError(f"eps must be positive, got {eps}")
     positions = check_positions(positions, tokens, table)
     if tokens:
-        write_kv_rows_kernel[row_blocks(tokens), KV_THREADS, stream](
-            kv_a, kv_norm_weight, np.float32(eps), table.cos, table.sin, positions, cache, layer, cache_start)
+        launch(write_kv_rows_kernel, row_blocks(tokens), KV_THREADS, stream,
+               kv_a, kv_norm_weight, np.float32(eps), table.cos, table.sin, positions, cache, layer, cache_start)
     return cache

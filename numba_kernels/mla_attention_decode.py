@@ -30,6 +30,7 @@ import numpy as np
 from numba import cuda, float32
 
 from numba_kernels.flat_access import at, at_put
+from numba_kernels.launch import launch
 from numba_kernels.mla_attention import (INLINE_DEVICE, MAX_LATENT, MAX_WIDTH, MERGE_THREADS, SHARED_LIMIT,
                                          checked_inputs, key_visible, merge_splits_kernel, static_for)
 from numba_kernels.warp import FULL_MASK, ON_SIMULATOR, row_blocks
@@ -430,13 +431,12 @@ def mla_attention_decode(q_lat, q_pe, cache_layer, prefix_len: int, visibility, 
     grid = (row_groups, splits)
     if splits == 1:
         flat_out = out.reshape(-1)  # also stands in for the partials (not written when direct)
-        kernel[grid, config.threads, stream](q_lat, q_pe, cache_layer, prefix_len, visibility, np.float32(scale),
-                                             keys_per_split, True, flat_out, flat_out, flat_out)
+        launch(kernel, grid, config.threads, stream, q_lat, q_pe, cache_layer, prefix_len, visibility,
+               np.float32(scale), keys_per_split, True, flat_out, flat_out, flat_out)
         return out
     o_part = cuda.device_array((splits, tokens, heads, latent), dtype=np.float32, stream=stream)
     lse_part = cuda.device_array((splits, tokens, heads), dtype=np.float32, stream=stream)
-    kernel[grid, config.threads, stream](q_lat, q_pe, cache_layer, prefix_len, visibility, np.float32(scale),
-                                         keys_per_split, False, out.reshape(-1), o_part.reshape(-1),
-                                         lse_part.reshape(-1))
-    merge_splits_kernel[row_blocks(rows), MERGE_THREADS, stream](o_part, lse_part, splits, out)
+    launch(kernel, grid, config.threads, stream, q_lat, q_pe, cache_layer, prefix_len, visibility, np.float32(scale),
+           keys_per_split, False, out.reshape(-1), o_part.reshape(-1), lse_part.reshape(-1))
+    launch(merge_splits_kernel, row_blocks(rows), MERGE_THREADS, stream, o_part, lse_part, splits, out)
     return out

@@ -32,7 +32,7 @@ from numba import cuda, float32, uint32
 
 from numba_kernels.flat_access import at, at_put
 from numba_kernels.mla_attention import checked_inputs, key_visible
-from numba_kernels.launch import stream_key
+from numba_kernels.launch import launch, stream_key
 from numba_kernels.mma import DEFAULT_GEMM, GemmConfig, gemm_tf32x3, softmax_parts
 from numba_kernels.warp import ON_SIMULATOR, block_max, block_sum, row_blocks
 
@@ -235,7 +235,7 @@ def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scal
     if in_place:
         score_a = dict(a=q_lat, a2=q_pe)  # [s, h, c] / [s, h, r]: the GEMM takes m = s * h rows as they are
     else:
-        concat_queries_kernel[row_blocks(rows), ROW_THREADS, stream](q_lat, q_pe, q_cat)
+        launch(concat_queries_kernel, row_blocks(rows), ROW_THREADS, stream, q_lat, q_pe, q_cat)
         score_a = dict(a=q_cat)
     score_gemm = dict(b=cache, c=scores, n=keys, k=width, alpha=scale, b_k_contiguous=True, config=config.score,
                       stream=stream, **score_a)
@@ -243,13 +243,13 @@ def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scal
     if config.fused_softmax:
         gemm_tf32x3(**score_gemm, fusion="scores", partials=partials, visibility=visibility, heads=heads,
                     prefix_len=prefix_len, key_visible=key_visible)
-        merge_partials_kernel[row_blocks(rows), ROW_THREADS, stream](partials.reshape(-1), rows, parts,
-                                                                    scales.reshape(-1))
+        launch(merge_partials_kernel, row_blocks(rows), ROW_THREADS, stream, partials.reshape(-1), rows, parts,
+               scales.reshape(-1))
         value_gemm.update(fusion="scaled", scale=scales, scale_width=config.score.block_n // config.score.warps_n)
     else:
         gemm_tf32x3(**score_gemm)
-        masked_softmax_kernel[row_blocks(rows), ROW_THREADS, stream](scores.reshape(-1), rows, keys, padded_keys,
-                                                                     heads, prefix_len, visibility)
+        launch(masked_softmax_kernel, row_blocks(rows), ROW_THREADS, stream, scores.reshape(-1), rows, keys,
+               padded_keys, heads, prefix_len, visibility)
     if splits == 1:
         gemm_tf32x3(scores.reshape(rows, padded_keys), cache, out.reshape(1, rows, latent), latent, keys,
                     **value_gemm)
@@ -257,8 +257,8 @@ def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scal
         gemm_tf32x3(scores.reshape(rows, padded_keys), cache, value_parts, latent, keys, splits=splits,
                     **value_gemm)
         size = rows * latent
-        sum_splits_kernel[min(-(-size // ROW_THREADS), 4 * 1024) if not ON_SIMULATOR else 1, ROW_THREADS, stream](
-            value_parts.reshape(-1), splits, size, out.reshape(-1))
+        launch(sum_splits_kernel, min(-(-size // ROW_THREADS), 4 * 1024) if not ON_SIMULATOR else 1, ROW_THREADS,
+               stream, value_parts.reshape(-1), splits, size, out.reshape(-1))
     if prefix_len == 0:  # only then can a query see no key row
-        nan_blind_queries_kernel[row_blocks(tokens), ROW_THREADS, stream](visibility, tokens, out)
+        launch(nan_blind_queries_kernel, row_blocks(tokens), ROW_THREADS, stream, visibility, tokens, out)
     return out

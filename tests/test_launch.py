@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from numba import cuda, types
 
-from numba_kernels.launch import Launcher, launcher_for
+from numba_kernels.launch import Launcher, launch, launcher_for
 from numba_kernels.warp import ON_SIMULATOR
 
 SIGNATURE = types.void(types.Array(types.float32, 1, "C"), types.Array(types.int32, 2, "C"), types.int32,
@@ -62,3 +62,30 @@ def test_launcher_takes_a_flat_view_of_any_c_contiguous_array_and_rejects_bad_ar
         launcher(3, 128, 0, 0, src, table, out)
     with pytest.raises(RuntimeError, match="cuLaunchKernel failed"):
         launcher(3, 4096, 0, 0, src, table, *scalars, out)  # more threads a block than any GPU has
+
+
+def _scaled_rows_body(src, factor, flag, out):
+    i, j = cuda.grid(2)
+    if i < out.shape[0] and j < out.shape[1]:
+        out[i, j] = src[i, j] * factor + (1.0 if flag else 0.0)
+
+
+@pytest.mark.sim
+def test_launch_specializes_per_layout_and_matches_numba():
+    """launch() of a lazily compiled kernel: contiguous and strided (layout "A") views of one array, a float64
+    and a bool scalar; each launch writes what Numba's own launch writes."""
+    kernel = cuda.jit(_scaled_rows_body)
+    rng = np.random.default_rng(2)
+    host = rng.standard_normal((20, 34)).astype(np.float32)
+    whole = cuda.to_device(host)
+    for src, flag in ((whole[:, :17], True), (whole[:, ::2], False), (whole[:10], True)):  # A, A, C
+        shape = tuple(src.shape)
+        out = cuda.to_device(np.full(shape, np.nan, np.float32))
+        kernel[(2, 3), (16, 16)](src, 1.5, flag, out)
+        cuda.synchronize()
+        want = out.copy_to_host()
+        np.testing.assert_allclose(want, src.copy_to_host() * 1.5 + flag, rtol=1e-6, atol=1e-6)  # (FMA on a GPU)
+        out.copy_to_device(np.full(shape, np.nan, np.float32))
+        launch(kernel, (2, 3), (16, 16), 0, src, 1.5, flag, out)
+        cuda.synchronize()
+        np.testing.assert_array_equal(out.copy_to_host(), want)
