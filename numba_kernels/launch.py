@@ -1,4 +1,4 @@
-"""Launch a kernel compiled for one signature without Numba's per-call argument processing.
+"""Launch Numba kernels without Numba's per-call argument processing.
 
 Numba's dispatcher types every argument and wraps every array in a strided memory view on each launch: 63 us
 of host time for the 21-argument tensor-core GEMM on the H200's host. A call whose first kernel waits for that
@@ -9,12 +9,13 @@ sessions of .prof/s7_host.py).
 
 The parameters follow Numba's kernel ABI for the types the kernel was compiled for: an array is (meminfo,
 parent, nitems, itemsize, data pointer, shape..., strides in bytes...) with meminfo and parent 0, as Numba's
-own launch passes them; integers (32 / 64 bits), float32 / float64 and booleans as themselves. A C-contiguous array of
-any rank may be given for a 1-D C-contiguous parameter (it is passed as its flat data, no reshaped view
-needed). Under the simulator the launch goes through Numba as usual.
+own launch passes them; integers (32 / 64 bits), float32 / float64 and booleans as themselves. A
+C-contiguous array of any rank may be given for a 1-D C-contiguous parameter (it is passed as its flat data,
+no reshaped view needed). Under the simulator the launch goes through Numba as usual.
 
     launcher = Launcher(kernel)   # kernel = cuda.jit(signature)(fn): exactly one compiled overload
     launcher(grid, block, stream, shared_bytes, *args)
+    launch(kernel, grid, block, stream, *args)   # a lazily compiled kernel: a Launcher per argument types
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ class Launcher:
             if isinstance(ty, types.Array):
                 # dtype compared as an object (str() costs us); a "C" parameter needs a C-contiguous array
                 self._kinds.append(("array", ty.ndim, np.dtype(str(ty.dtype)), ty.layout == "C"))
-                formats += ["q", "q", "q", "q", "Q"] + ["q"] * (2 * ty.ndim)  # meminfo, parent, nitems, itemsize, data
+                # meminfo, parent, nitems, itemsize, data pointer, shape, strides
+                formats += ["q", "q", "q", "q", "Q"] + ["q"] * (2 * ty.ndim)
             elif isinstance(ty, types.Integer) and ty.bitwidth in (32, 64):
                 self._kinds.append(("int",))
                 formats.append({(32, True): "i4x", (32, False): "I4x", (64, True): "q", (64, False): "Q"}[
@@ -125,7 +127,6 @@ def launcher_for(kernel) -> Launcher:
     if launcher is None or launcher.kernel is not kernel:
         launcher = _LAUNCHERS[id(kernel)] = Launcher(kernel)
     return launcher
-
 
 
 _SPECIALIZED: dict = {}  # (id(kernel), argument type keys) -> (kernel, Launcher of its specialization)

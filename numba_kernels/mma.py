@@ -644,8 +644,9 @@ def gemm_tf32x3(a, b, c, n: int, k: int, alpha: float = 1.0, b_k_contiguous: boo
     """c[z, i, j] = alpha * sum over split z's k range of A(i, kk) * B(kk, j), i < m, j < n (the rest of c
     untouched). Device arrays, C-contiguous float32: A = a [m, lda >= k], or with a2 the columns of a [m, lda]
     then those of a2 [m, lda2] (A(i, kk) = a[i, kk] for kk < lda, a2[i, kk - lda] after: attention's
-    [q_lat | q_pe] without a copy; a and a2 may come as [..., lda] with the leading dimensions making m); b [>= n, ldb >= k] with B(kk, j) = b[j, kk] (b_k_contiguous) or
-    [>= k, ldb >= n] with B(kk, j) = b[kk, j]; c [splits, m, ldc >= n].
+    [q_lat | q_pe] without a copy; a and a2 may come as [..., lda], their leading dimensions making m);
+    b [>= n, ldb >= k] with B(kk, j) = b[j, kk] (b_k_contiguous) or [>= k, ldb >= n] with B(kk, j) = b[kk, j];
+    c [splits, m, ldc >= n].
     The k range is split in `splits` parts of whole block_k chunks (a trailing split may be empty: zeros).
     16-byte aligned operands with row lengths (and lda, with a2) multiples of 4 copy 16 bytes at a time (else 4).
     Softmax fusions (gemm_kernel): "scores" needs partials float32 [m, softmax_parts(config, n), 2],
