@@ -24,6 +24,7 @@ from .reference import rope_cos_sin, split_kv_b
 from .weights import check_weights
 
 
+MAX_CAUSAL_MASKS = 16  # token counts whose causal mask stays on the device
 MAX_GRAPH_SHAPES = 8  # token counts with captured graphs (AR: 1; DDTree: the verify size; a few cut trees)
 
 
@@ -225,6 +226,7 @@ class DeviceModel:
         self.layers = [self._load_layer(weights, i) for i in range(cfg.num_hidden_layers)]
         self.use_graphs = backend == "cuda" and graphs
         self._graphs, self._shapes_seen = {}, {}
+        self._causal_masks = {}  # s -> device mask; an AR step must not pay an upload (alloc + synced copy)
 
     def _load_layer(self, weights, i: int) -> dict:
         cfg, ops = self.cfg, self.ops
@@ -285,8 +287,10 @@ class DeviceModel:
             raise ValueError(f"{s} new rows after {cache.length} exceed the cache capacity {cache.capacity}")
         if positions.min() < 0 or positions.max() >= cfg.max_position_embeddings:
             raise ValueError(f"positions must be in 0..{cfg.max_position_embeddings - 1}")
-        mask = ops.upload(mla_attention.causal_visibility(s) if visibility is None
-                          else mla_attention.pack_visibility(np.asarray(visibility, dtype=bool)))
+        if visibility is None:
+            mask = self._causal_mask(s)
+        else:
+            mask = ops.upload(mla_attention.pack_visibility(np.asarray(visibility, dtype=bool)))
         graphs = self._graphs_for(s)
         if graphs is None:
             state = self._new_state(s)
@@ -310,6 +314,15 @@ class DeviceModel:
         if graphs is not None:  # the graph's logits buffer is overwritten by the next step of this shape
             logits = ops.copy(logits)
         return DeviceLogits(logits, ops.to_host)
+
+    def _causal_mask(self, s: int):
+        """The device causal mask for s tokens, uploaded once per token count (kernels only read it)."""
+        mask = self._causal_masks.get(s)
+        if mask is None:
+            mask = self.ops.upload(mla_attention.causal_visibility(s))
+            if len(self._causal_masks) < MAX_CAUSAL_MASKS:  # prefills of many lengths must not pile up
+                self._causal_masks[s] = mask
+        return mask
 
     # -- segments (engine/cuda_graphs.py) -----------------------------------------------------------
     def _new_state(self, s: int) -> dict:
