@@ -36,7 +36,7 @@ from numba import cuda, float32, uint32
 
 from numba_kernels.rmsnorm import as_device_array, is_device_array
 from numba_kernels.flat_access import at, at_put
-from numba_kernels.warp import ON_SIMULATOR, row_blocks
+from numba_kernels.warp import ON_SIMULATOR, device_function, row_blocks
 
 MAX_LATENT, MAX_ROPE = (32, 8) if ON_SIMULATOR else (512, 64)  # toy shapes on the simulator
 MAX_WIDTH = MAX_LATENT + MAX_ROPE
@@ -89,8 +89,9 @@ class TileConfig(NamedTuple):
                 raise ValueError(f"bad TileConfig {self}: needs {rule}")
 
 
-if ON_SIMULATOR:  # every simulated thread is a Python thread: tiny tiles
-    DEFAULT_CONFIG = TileConfig(rows=8, keys=4, d_chunk=4, v_chunk=2, s_rows=2, s_keys=2, o_cols=8, threads=8)
+if ON_SIMULATOR:  # every simulated thread is a Python thread: few threads; key tiles of 16, since every
+    #               tile costs a dozen block barriers, each ~1 ms there (keys=4: `kdtree demo`'s attention 1.9x slower)
+    DEFAULT_CONFIG = TileConfig(rows=8, keys=16, d_chunk=4, v_chunk=2, s_rows=2, s_keys=8, o_cols=8, threads=8)
     FEW_TOKENS_CONFIG = DEFAULT_CONFIG
 else:  # the H200 sweep's fastest (tools/sweeps/attention.py, 2026-11-29): 64 x 128 tiles on 512 threads (o 8 x 8)
     #    from s = 16 tokens up (P=8192 s=64: 6.96 ms vs 8.23 for 64 x 64 on 256); for AR and small trees
@@ -101,7 +102,7 @@ FEW_TOKENS = 16  # below this many query tokens, FEW_TOKENS_CONFIG
 ROW_TILE = DEFAULT_CONFIG.rows
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(inline=True)
 def key_visible(token, key, prefix_len, visibility):
     """Key row `key` visible to query `token`: in the prefix, or its in-flight bit is set."""
     if key < prefix_len:
@@ -111,7 +112,7 @@ def key_visible(token, key, prefix_len, visibility):
 
 
 # Device helpers are inlined into the kernel (LLVM alwaysinline on a GPU; the simulator has no such option).
-INLINE_DEVICE = dict(device=True) if ON_SIMULATOR else dict(device=True, forceinline=True)
+INLINE_DEVICE = {} if ON_SIMULATOR else dict(forceinline=True)
 
 
 def static_for(count: int, body):
@@ -121,13 +122,13 @@ def static_for(count: int, body):
     unrolling, and LLVM leaves loops with large bodies rolled (the array then lives in local memory). Calls
     with constant first arguments give the constant indices whatever the body's size. args: one tuple."""
     if count == 1:
-        @cuda.jit(**INLINE_DEVICE)
+        @device_function(**INLINE_DEVICE)
         def run_one(args):
             body(0, args)
         return run_one
     first, last = static_for(count - 1, body), count - 1
 
-    @cuda.jit(**INLINE_DEVICE)
+    @device_function(**INLINE_DEVICE)
     def run(args):
         first(args)
         body(last, args)
@@ -158,7 +159,7 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
     if config.max_registers is not None and not ON_SIMULATOR:
         compile_options["max_registers"] = config.max_registers
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(inline=True)
     def load_qk(q_lat, q_pe, cache, token0, head0, key0, key_end, d0, pre):
         """Prefetch the S stage at dimension d0: q [BM, DK] (this thread's first row is (token0, head0), the
         next ones Q_ROW_STEP rows further) and k [BN, DK] of keys key0.."""
@@ -184,7 +185,7 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
                 key = key0 + n
                 pre[k] = cache[key, d0 + e - n * DK] if key < key_end and d0 + e - n * DK < width else float32(0.0)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(inline=True)
     def store_qk(pre, stage):
         tid = cuda.threadIdx.x
         for k in range(QK_LOADS):
@@ -197,7 +198,7 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
                 n = e // DK
                 at_put(stage, K_OFFSET + (e - n * DK) * K_STRIDE + n, pre[k])
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(inline=True)
     def load_v(cache, latent, key0, key_end, pre):
         """Prefetch the V stage of keys key0..key0+NK: [NK, MAX_LATENT] (zeros past c and past key_end)."""
         tid = cuda.threadIdx.x
@@ -208,13 +209,13 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
             key = key0 + n
             pre[k] = cache[key, column] if key < key_end and column < latent else float32(0.0)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(inline=True)
     def store_v(pre, stage):
         tid = cuda.threadIdx.x
         for k in range(V_LOADS):
             at_put(stage, tid + T * k, pre[k])
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(inline=True)
     def online_softmax(acc_s, acc_o, p_s, stage, row_max, row_sum, row_alpha, row0, rows, heads, tile_begin,
                        tile_keys, prefix_len, visibility, scale):
         """Scores of the tile (acc_s) -> probabilities p_s [BM, BN+1]; row max / sum / alpha updated, acc_o
@@ -266,7 +267,7 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
             for k in range(OC):
                 acc_o[i * OC + k] *= alpha
 
-    @cuda.jit(**INLINE_DEVICE)
+    @device_function(**INLINE_DEVICE)
     def store_o_row(i, args):
         """Row i of this thread's o tile (already divided by the row sum) to destination[first + row * c + column]
         (flat out or o_part)."""

@@ -33,7 +33,7 @@ from numba_kernels.flat_access import at, at_put
 from numba_kernels.launch import launch
 from numba_kernels.mla_attention import (INLINE_DEVICE, MAX_LATENT, MAX_WIDTH, MERGE_THREADS, SHARED_LIMIT,
                                          checked_inputs, key_visible, merge_splits_kernel, static_for)
-from numba_kernels.warp import FULL_MASK, ON_SIMULATOR, row_blocks
+from numba_kernels.warp import FULL_MASK, ON_SIMULATOR, device_function, row_blocks
 
 MAX_TOKENS = 32  # query tokens per call (one visibility word); more: numba_kernels/mla_attention.py
 P_ALIGN = None if ON_SIMULATOR else 16  # p [KEYS, HEADS] in shared: 16-byte rows for load4
@@ -130,7 +130,7 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
     VECTOR_P = HB % 4 == 0                      # values: p of 4 heads per shared load
     compile_options = {} if ON_SIMULATOR else dict(launch_bounds=(T, config.blocks_per_sm))
 
-    @cuda.jit(**INLINE_DEVICE)
+    @device_function(**INLINE_DEVICE)
     def halve_partials(step, args):
         """Butterfly step `step` (a constant: the loop unrolls, part stays in registers): N >> step live
         partials -> N >> (step + 1), lanes with bit `offset` clear keep the lower half and send the upper one."""
@@ -145,7 +145,7 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
 
     halve_all = static_for(LOG_N, halve_partials)
 
-    @cuda.jit(**INLINE_DEVICE)
+    @device_function(**INLINE_DEVICE)
     def load_q(k, args):
         """q_pre[k] = element tid + T k of the block's q rows [HEADS, QW] (k a constant: q_pre in registers)."""
         q_lat, q_pe, row0, q_pre = args
@@ -163,7 +163,7 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
 
     load_q_all = static_for(Q_LOADS, load_q)
 
-    @cuda.jit(**INLINE_DEVICE)
+    @device_function(**INLINE_DEVICE)
     def dot_dim(j, args):
         """part[hb * KG + g] += q[hb, lane + L j] * key g's dimension lane + L j, for all heads and keys of the
         group. j a constant (straight-line calls): key_val stays in registers."""
@@ -175,7 +175,7 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
 
     dot_all_dims = static_for(DJ, dot_dim)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(inline=True)
     def sum_partials(part, scratch):
         """Warp-sum each of the N partials part[i] over the L lanes; returns the sum number lane >> SHIFT (the
         lanes with lane % 2**SHIFT == 0 own it). GPU: transposing butterfly (at the step with offset o, lanes
@@ -202,7 +202,7 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
             offset //= 2
         return total
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(inline=True)
     def warp_max_sum(value, is_sum, scratch):
         """Max (is_sum False) or sum of value over the warp, to every lane (simulator: shared memory; every
         thread of the block must call it)."""

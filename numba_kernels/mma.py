@@ -31,7 +31,7 @@ from numba import cuda, float32, types, uint32
 
 from numba_kernels.flat_access import at, at_put
 from numba_kernels.launch import launcher_for
-from numba_kernels.warp import ON_SIMULATOR
+from numba_kernels.warp import ON_SIMULATOR, device_function
 
 WARP = 32
 SIM_SCRATCH_PER_WARP = 16 * 8 + 8 * 8  # the A tile and the B tile of one mma
@@ -50,7 +50,7 @@ if ON_SIMULATOR:
             rounded = np.nextafter(rounded, np.float32(0.0))
         return rounded
 
-    @cuda.jit(device=True)
+    @device_function()
     def tf32_round(x):
         """cvt.rna.tf32.f32: x (float32) rounded to tf32, nearest with ties away from zero; uint32 bits (low
         13 zero). Model: add half a tf32 ulp to the magnitude bits, drop 13 bits; inf / NaN pass through."""
@@ -59,15 +59,15 @@ if ON_SIMULATOR:
             return np.uint32(bits)
         return np.uint32((bits + 0x1000) & TF32_MASK)
 
-    @cuda.jit(device=True)
+    @device_function()
     def tf32_as_float(bits):
         return _as_float(bits)
 
-    @cuda.jit(device=True)
+    @device_function()
     def float_bits(x):
         return np.float32(x).view(np.uint32)
 
-    @cuda.jit(device=True)
+    @device_function()
     def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
         """d = A @ B + C for one warp's m16n8k8 fragments (tf32 bits in, float32 out), via shared scratch."""
         tid = cuda.threadIdx.x
@@ -126,7 +126,7 @@ else:
 
         return signature, codegen
 
-    @cuda.jit(device=True, forceinline=True)
+    @device_function(forceinline=True)
     def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
         """d = A @ B + C for one warp's m16n8k8 fragments (tf32 bits in, float32 out); scratch unused."""
         return _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
@@ -148,7 +148,7 @@ def tf32_split(x):
 
 
 if ON_SIMULATOR:
-    @cuda.jit(device=True)
+    @device_function()
     def quad_max_sum(value, is_max, scratch):
         """Max (is_max) or sum of value over the 4 lanes g*4 .. g*4+3 of a quad, to each of them, via the
         warp's shared scratch (every thread of the block calls it: it syncs the block)."""
@@ -160,7 +160,7 @@ if ON_SIMULATOR:
         cuda.syncthreads()
         return float32(max(quad)) if is_max else float32((quad[0] + quad[1]) + (quad[2] + quad[3]))
 else:
-    @cuda.jit(device=True, forceinline=True)
+    @device_function(forceinline=True)
     def quad_max_sum(value, is_max, scratch):
         """Max (is_max) or sum of value over the 4 lanes g*4 .. g*4+3 of a quad, to each of them."""
         for offset in (1, 2):
@@ -172,21 +172,21 @@ else:
 # ------------------------------------------------------------------------------------------------ cp.async
 # Tiles go from global to shared memory with cp.async (no register staging; STAGES chunks in flight).
 if ON_SIMULATOR:
-    @cuda.jit(device=True)
+    @device_function()
     def _copy16(dst, dst_index, src, src_index, src_bytes):
         for e in range(4):
             at_put(dst, dst_index + e, at(src, src_index + e) if 4 * e < src_bytes else float32(0.0))
 
-    @cuda.jit(device=True)
+    @device_function()
     def _copy4(dst, dst_index, src, src_index, src_bytes):
         at_put(dst, dst_index, at(src, src_index) if src_bytes > 0 else float32(0.0))
 
-    @cuda.jit(device=True)
+    @device_function()
     def copy_commit():
         """cp.async.commit_group (the simulator copies at once)."""
 
     def copy_wait(pending: int):
-        @cuda.jit(device=True)
+        @device_function()
         def wait():
             """cp.async.wait_group pending (the simulator copies at once)."""
         return wait
@@ -225,7 +225,7 @@ else:
             return context.get_dummy_value()
         return types.void(), codegen
 
-    @cuda.jit(device=True, forceinline=True)
+    @device_function(forceinline=True)
     def copy_commit():
         """cp.async.commit_group: the copies this thread issued since the last commit form one group."""
         _commit()
@@ -241,7 +241,7 @@ else:
                 return context.get_dummy_value()
             return types.void(), codegen
 
-        @cuda.jit(device=True, forceinline=True)
+        @device_function(forceinline=True)
         def wait():
             _wait()
         return wait

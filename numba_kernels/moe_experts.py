@@ -34,7 +34,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from .device_arrays import as_device_array as as_device
-from .warp import ON_SIMULATOR, USE_SHUFFLE, WARP_SIZE, row_blocks
+from .warp import ON_SIMULATOR, USE_SHUFFLE, WARP_SIZE, device_function, row_blocks
 
 # A "warp" of LANES threads shares each weight row. The simulator has no shuffles (the reduction goes through
 # shared memory), runs every thread in Python and pays a fixed cost per block (it polls its threads), so there
@@ -93,7 +93,7 @@ SCRATCH_THREADS_PER_WARP = LANES if ON_SIMULATOR else 1  # warp-sum scratch: onl
 # ------------------------------------------------------------------------------------ device helpers
 # Small helpers are inlined into the kernels so their local arrays can live in registers (the simulator's
 # jit has no such option).
-INLINE_DEVICE = dict(device=True) if ON_SIMULATOR else dict(device=True, forceinline=True)
+INLINE_DEVICE = {} if ON_SIMULATOR else dict(forceinline=True)
 
 if ON_SIMULATOR:
     def _bits_as_float(bits):
@@ -101,25 +101,25 @@ if ON_SIMULATOR:
 else:
     from numba.cuda import libdevice
 
-    @cuda.jit(**INLINE_DEVICE)
+    @device_function(**INLINE_DEVICE)
     def _bits_as_float(bits):
         return libdevice.int_as_float(int32(bits))
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def load_pair_f32(w, expert, row, word):
     """Columns 2*word and 2*word+1 of row ``row`` of expert ``expert``; w float32 [e, rows, cols]."""
     return w[expert, row, 2 * word], w[expert, row, 2 * word + 1]
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def load_pair_bf16(w, expert, row, word):
     """The same two columns from bf16 bits packed in pairs; w uint32 [e, rows, cols/2] (low half first)."""
     bits = w[expert, row, word]
     return _bits_as_float(bits << 16), _bits_as_float(bits & 0xFFFF0000)
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def silu(v):
     return v / (float32(1.0) + math.exp(-v))
 
@@ -171,7 +171,7 @@ else:
     load_u64x2_streaming = _make_load_u64x2(streaming=True)
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def bf16x4(bits):
     """The four bf16 values packed in a uint64 (lowest 16 bits first) as fp32."""
     return (_bits_as_float(bits << uint64(16)), _bits_as_float(bits & uint64(0xFFFF0000)),
@@ -179,19 +179,19 @@ def bf16x4(bits):
             _bits_as_float((bits >> uint64(32)) & uint64(0xFFFF0000)))
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def f32x2(bits):
     """The two fp32 values packed in a uint64 (lower address first)."""
     return _bits_as_float(bits & uint64(0xFFFFFFFF)), _bits_as_float(bits >> uint64(32))
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def bf16x2(bits):
     """The two bf16 values packed in a uint32 (low half first) as fp32."""
     return _bits_as_float(bits << 16), _bits_as_float(bits & 0xFFFF0000)
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def same(value):
     return (value,)
 
@@ -200,39 +200,39 @@ def same(value):
 # values (fp32, uint32 or uint64 bf16 bits) until used, so the loads of a loop trip cost few registers;
 # ``unpack`` turns one raw value into PER = VEC / RAW fp32 values. The activations (x or act, fp32 [1, rows,
 # cols] or viewed as uint64 [1, rows, cols/2]) are read the same VEC columns at a time.
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def w_raw_one(w, expert, row, word):
     return (w[expert, row, word],)
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def w_raw_u64x2(w, expert, row, word):
     return load_u64x2(w, expert, row, word)
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def w_raw_u64x2_streaming(w, expert, row, word):
     return load_u64x2_streaming(w, expert, row, word)
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def a_word_f32(a, row, word):
     return (a[0, row, word],)
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def a_word_x2(a, row, word):
     return a[0, row, 2 * word], a[0, row, 2 * word + 1]
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def a_word_x4(a, row, word):
     v0, v1 = f32x2(a[0, row, 2 * word])
     v2, v3 = f32x2(a[0, row, 2 * word + 1])
     return v0, v1, v2, v3
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def a_word_x8(a, row, word):
     first = load_u64x2(a, 0, row, 2 * word)
     second = load_u64x2(a, 0, row, 2 * word + 1)
@@ -265,7 +265,7 @@ WORD_FORMATS = {
 STREAMING_FORMATS = {8: dataclasses.replace(WORD_FORMATS[8], load_raw=w_raw_u64x2_streaming)}
 
 
-@cuda.jit(**INLINE_DEVICE)
+@device_function(**INLINE_DEVICE)
 def reduce_tokens(acc, n_tokens, scratch):
     """acc[i, t] <- its sum over the warp for t < n_tokens (warp-uniform), valid in lane 0 (other lanes:
     unspecified). acc: local float32 [I, T]. Every thread of the block must call it: the simulator path (no
@@ -411,7 +411,7 @@ def _make_dot_pass(fmt: WordFormat, n_rows: int, unroll: int, tokens_per_pass: i
     vec, raw_count, raw_type = fmt.vec, fmt.raw_count, fmt.raw_type
     per_raw = vec // raw_count
 
-    @cuda.jit(**INLINE_DEVICE)
+    @device_function(**INLINE_DEVICE)
     def fma_tokens(acc, weights, a, a_rows, n_tokens, word, inside, first):
         """acc[r, first + t] += weights[r] . a[0, a_rows[first + t]] (word ``word``; zeros unless inside) for
         t < TOKEN_GROUP while first + t < n_tokens (block-uniform: no FMAs for padding)."""
@@ -424,7 +424,7 @@ def _make_dot_pass(fmt: WordFormat, n_rows: int, unroll: int, tokens_per_pass: i
                     for r in range(n_rows):
                         acc[r, token] += weights[r, c] * xc
 
-    @cuda.jit(**INLINE_DEVICE)
+    @device_function(**INLINE_DEVICE)
     def consume_word(raw, u, acc, a, a_rows, n_tokens, n_words, base):
         """Unpack word u of the trip starting at ``base`` and add its products to acc."""
         inside = base + u * LANES < n_words
@@ -443,7 +443,7 @@ def _make_dot_pass(fmt: WordFormat, n_rows: int, unroll: int, tokens_per_pass: i
         if tokens_per_pass > 3 * TOKEN_GROUP:
             fma_tokens(acc, weights, a, a_rows, n_tokens, word, inside, 3 * TOKEN_GROUP)
 
-    @cuda.jit(**INLINE_DEVICE)
+    @device_function(**INLINE_DEVICE)
     def dot_pass(w, expert, rows, a, a_rows, n_tokens, n_words, acc):
         """acc[r, t] = sum over this lane's words of w[expert, rows[r]] . a[0, a_rows[t]] for t < n_tokens
         (n_tokens block-uniform; later t: 0). w [e, rows, n_words words]; a [1, rows, ...]; rows int32

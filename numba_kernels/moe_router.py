@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from .moe_experts import as_device, check_array, load_pair_bf16, load_pair_f32, weight_view
-from .warp import INT32_MAX, ON_SIMULATOR, block_argmax, block_sum, row_blocks
+from .warp import INT32_MAX, ON_SIMULATOR, block_argmax, block_sum, device_function, row_blocks
 
 ROUTER_THREADS = 8 if ON_SIMULATOR else 256   # a power of two (block_argmax)
 MAX_EXPERTS = 1024                             # shared-memory capacity of one block
@@ -34,7 +34,7 @@ def router_options(cfg) -> dict:
                 routed_scaling_factor=cfg.routed_scaling_factor)
 
 
-@cuda.jit(device=True)
+@device_function()
 def _select_experts(token, score, biased, n_experts, n_group, topk_group, norm, scale, group_scores, scratch,
                     scratch_ids, expert_ids, expert_weights):
     """Group mask, top-k and weights for one token from shared score/biased [e] (biased is overwritten).
@@ -94,7 +94,7 @@ def _select_experts(token, score, biased, n_experts, n_group, topk_group, norm, 
             expert_weights[token, slot] = weight * scale
 
 
-@cuda.jit(device=True)
+@device_function()
 def _store_score(j, logit, bias, has_bias, score, biased):
     value = float32(1.0) / (float32(1.0) + math.exp(-logit))
     score[j] = value

@@ -14,7 +14,7 @@ from numba import cuda, float32
 
 from .device_arrays import as_device_array, is_device_array  # noqa: F401  (re-exported to the launchers)
 
-from numba_kernels.warp import ON_SIMULATOR, block_sum, row_blocks
+from numba_kernels.warp import ON_SIMULATOR, block_sum, device_function, row_blocks
 
 NORM_THREADS = 4 if ON_SIMULATOR else 1024  # power of two (block_sum)
 # Each thread loads LOADS_AHEAD elements before it uses any: at s = 1 one block streams a whole row, and
@@ -22,7 +22,7 @@ NORM_THREADS = 4 if ON_SIMULATOR else 1024  # power of two (block_sum)
 LOADS_AHEAD = 2 if ON_SIMULATOR else 4
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(inline=True)
 def inverse_rms(row_sum_squares, width, eps):
     return float32(1.0) / math.sqrt(row_sum_squares / float32(width) + eps)
 

@@ -16,7 +16,7 @@ from numba import cuda
 
 from engine.config import ModelConfig
 from numba_kernels.rmsnorm import as_device_array, is_device_array
-from numba_kernels.warp import ON_SIMULATOR
+from numba_kernels.warp import ON_SIMULATOR, device_function
 
 ROPE_THREADS = 8 if ON_SIMULATOR else 256
 
@@ -48,7 +48,7 @@ def rope_table(cfg: ModelConfig, max_positions: int | None = None, stream=0) -> 
                      cuda.to_device(sin.astype(np.float32), stream=stream))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(inline=True)
 def rotate_pair(even, odd, cos, sin):
     """(even, odd) rotated by the angle whose cos/sin are given."""
     return even * cos - odd * sin, even * sin + odd * cos

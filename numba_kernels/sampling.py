@@ -16,7 +16,8 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, int32, uint64
 
-from numba_kernels.warp import INT32_MAX, MAX_ROW_BLOCKS, ON_SIMULATOR, block_argmax, row_blocks, to_device
+from numba_kernels.warp import (INT32_MAX, MAX_ROW_BLOCKS, ON_SIMULATOR, block_argmax, device_function, row_blocks,
+                                to_device)
 
 ROW_THREADS = 8 if ON_SIMULATOR else 256
 MAX_TOPK = 16
@@ -33,7 +34,7 @@ ONE = np.uint64(1)
 TWO_POW_MINUS_53 = 2.0 ** -53
 
 
-@cuda.jit(device=True)
+@device_function()
 def mix64(z):
     """splitmix64 finaliser on uint64 (wrapping multiply), as engine.sampling_ref.mix64."""
     z = (z ^ (z >> SHIFT_30)) * MIX_MUL_1
@@ -41,7 +42,7 @@ def mix64(z):
     return z ^ (z >> SHIFT_31)
 
 
-@cuda.jit(device=True)
+@device_function()
 def gumbel(key, token):
     """float64 Gumbel noise of one token given its row key (engine.sampling_ref.uniform / gumbel_noise)."""
     bits = mix64(key + (uint64(token) + ONE) * GOLDEN_GAMMA)
@@ -87,7 +88,7 @@ def sample_rows_kernel(logits, temperature, seed, positions, ids):
             ids[row] = best_id
 
 
-@cuda.jit(device=True)
+@device_function()
 def _keep_best(logits, row, first, stop, rounds, mine, mine_ids):
     """This thread's best ``rounds`` entries of logits[row, first:stop:blockDim.x], sorted (value descending,
     ties -> lower id) into mine / mine_ids (local arrays); returns how many it holds (<= rounds)."""
@@ -141,7 +142,7 @@ def topk_rows_kernel(logits, top_ids, top_values, margins):
                 elif r == 1:
                     margins[row] = first - best if best_id != INT32_MAX else float32(math.inf)
 
-@cuda.jit(device=True, inline=True)
+@device_function(inline=True)
 def _ranks_before(value, index, other_value, other_index):
     """(value, index) comes first in top-k order: larger value, ties -> lower id."""
     return value > other_value or (value == other_value and index < other_index)

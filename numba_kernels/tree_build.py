@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from numba_kernels.flat_access import at, at_put
-from numba_kernels.warp import FULL_MASK, ON_SIMULATOR, USE_SHUFFLE, WARP_SIZE, to_device
+from numba_kernels.warp import FULL_MASK, ON_SIMULATOR, USE_SHUFFLE, WARP_SIZE, device_function, to_device
 
 MAX_BUDGET = 1024
 MAX_NODES = MAX_BUDGET + 1
@@ -78,17 +78,17 @@ else:
             return builder.call(redux, [args[0]])
         return types.int32(types.int32), codegen
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(inline=True)
     def float_key(value):
         bits = _bits(value)
         return int32(bits ^ int32(int32(bits >> int32(31)) & int32(0x7FFFFFFF)))
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(inline=True)
     def key_float(key):
         return _float(int32(key ^ int32(int32(key >> int32(31)) & int32(0x7FFFFFFF))))
 
 
-@cuda.jit(device=True)
+@device_function()
 def _path_less(parent_a, rd_a, parent_b, rd_b, node_parent, node_rd):
     """True when candidate a's rank tuple (path of parent_a, then a's rank) is lexicographically smaller than
     b's. A candidate is (parent node, rank << 16 | depth). Only called on exact score ties."""
@@ -116,14 +116,14 @@ def _path_less(parent_a, rd_a, parent_b, rd_b, node_parent, node_rd):
     return rank_a < rank_b
 
 
-@cuda.jit(device=True)
+@device_function()
 def _slot_less(slot_a, slot_b, front_parent, front_rd, node_parent, node_rd):
     """Frontier slot a pops before slot b, both >= 0 with the same score: the smaller rank tuple."""
     return _path_less(at(front_parent, slot_a), at(front_rd, slot_a), at(front_parent, slot_b),
                       at(front_rd, slot_b), node_parent, node_rd)
 
 
-@cuda.jit(device=True)
+@device_function()
 def _lane_exact(lane, lanes, size, top, front_key, front_parent, front_rd, node_parent, node_rd):
     """The first in pop order of this lane's slots holding key `top` (-1 if none): the tie path."""
     best = int32(-1)
@@ -136,7 +136,7 @@ def _lane_exact(lane, lanes, size, top, front_key, front_parent, front_rd, node_
     return best
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(inline=True)
 def _lanes_sync():
     """Barrier of the lanes of one request: the warp on a GPU, the (one-request) block on the simulator."""
     if USE_SHUFFLE:
@@ -171,7 +171,7 @@ def make_build_kernel(scan_unroll: int = 4, stage_logprobs: bool = True, redux: 
         raise ValueError(f"scan_unroll must be 1, 2, 4 or 8, got {scan_unroll}")
     front_slots, lp_cache_size = shared_layout(scan_unroll)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(inline=True)
     def lane_scan(lane, lanes, size, front_key):
         """(best key, its first slot, tied) over this lane's slots lane, lane + lanes, ... (< size, rounded up
         to a whole chunk: padding slots hold PAD_KEY); tied: an equal key was seen at a later slot."""
@@ -193,7 +193,7 @@ def make_build_kernel(scan_unroll: int = 4, stage_logprobs: bool = True, redux: 
             base = int32(base + step)
         return best_key, best_slot, tied
 
-    @cuda.jit(device=True)
+    @device_function()
     def frontier_pick(lane, lanes, size, front_key, front_parent, front_rd, node_parent, node_rd, red_key,
                       red_slot, red_tied):
         """(slot, key) of the candidate that pops next, returned to every lane (size > 0)."""

@@ -71,6 +71,26 @@ if ON_SIMULATOR:
     sys.setswitchinterval(5e-5)
     _thread_safe_simulator_shared_arrays()
 
+
+def device_function(**options):
+    """``cuda.jit(device=True, **options)``, the decorator for device helpers.
+
+    Under the simulator a helper that never names the ``cuda`` module stays a plain Python function: the
+    simulator runs every device-function call inside a lock and a swap of the module's globals (~10 us), and
+    per-element helpers (weight loads, FMAs) run ~10^5 times a launch there. The GPU build is unchanged."""
+    def decorate(fn):
+        if ON_SIMULATOR and not _names_cuda(fn):
+            return fn
+        return cuda.jit(device=True, **options)(fn)
+    return decorate
+
+
+def _names_cuda(fn) -> bool:
+    """Whether ``fn`` reads the ``cuda`` module (the global the simulator swaps for its fake one)."""
+    names = fn.__code__.co_names
+    return "cuda" in names or any(fn.__globals__.get(name) is cuda for name in names)
+
+
 # Shuffles only exist on a real GPU; the constant is frozen when a kernel compiles.
 USE_SHUFFLE = not ON_SIMULATOR
 FULL_MASK = 0xFFFFFFFF
@@ -78,13 +98,13 @@ WARP_SIZE = 32
 INT32_MAX = 2147483647
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(inline=True)
 def _better(value, index, best_value, best_index):
     """True when (value, index) beats (best_value, best_index): larger value, then lower index."""
     return value > best_value or (value == best_value and index < best_index)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(inline=True)
 def _warp_max(value):
     offset = WARP_SIZE // 2
     while offset > 0:
@@ -95,7 +115,7 @@ def _warp_max(value):
     return cuda.shfl_sync(FULL_MASK, value, 0)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(inline=True)
 def _warp_sum(value):
     offset = WARP_SIZE // 2
     while offset > 0:
@@ -104,7 +124,7 @@ def _warp_sum(value):
     return cuda.shfl_sync(FULL_MASK, value, 0)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(inline=True)
 def _warp_argmax(value, index):
     offset = WARP_SIZE // 2
     while offset > 0:
@@ -117,7 +137,7 @@ def _warp_argmax(value, index):
     return cuda.shfl_sync(FULL_MASK, value, 0), cuda.shfl_sync(FULL_MASK, index, 0)
 
 
-@cuda.jit(device=True)
+@device_function()
 def block_max(value, scratch):
     """Max of ``value`` over the block; returned to every thread."""
     tid = cuda.threadIdx.x
@@ -148,7 +168,7 @@ def block_max(value, scratch):
     return result
 
 
-@cuda.jit(device=True)
+@device_function()
 def block_sum(value, scratch):
     """Sum of ``value`` over the block; returned to every thread (order differs GPU vs simulator)."""
     tid = cuda.threadIdx.x
@@ -178,7 +198,7 @@ def block_sum(value, scratch):
     return result
 
 
-@cuda.jit(device=True)
+@device_function()
 def block_argmax(value, index, scratch, scratch_ids):
     """(max value, its index) over the block, ties -> lowest index; returned to every thread.
 
