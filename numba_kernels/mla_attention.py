@@ -89,8 +89,8 @@ class TileConfig(NamedTuple):
                 raise ValueError(f"bad TileConfig {self}: needs {rule}")
 
 
-if ON_SIMULATOR:  # every simulated thread is a Python thread: few threads; key tiles of 16, since every
-    #               tile costs a dozen block barriers, each ~1 ms there (keys=4: `kdtree demo`'s attention 1.9x slower)
+if ON_SIMULATOR:  # every simulated thread is a Python thread: 8 threads; key tiles of 16, as each tile costs
+    # a dozen block barriers of ~1 ms there (4-key tiles made `kdtree demo`'s attention 1.9x slower)
     DEFAULT_CONFIG = TileConfig(rows=8, keys=16, d_chunk=4, v_chunk=2, s_rows=2, s_keys=8, o_cols=8, threads=8)
     FEW_TOKENS_CONFIG = DEFAULT_CONFIG
 else:  # the H200 sweep's fastest (tools/sweeps/attention.py, 2026-11-29): 64 x 128 tiles on 512 threads (o 8 x 8)
