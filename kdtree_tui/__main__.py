@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from kdspec.kdtree_tui.cli import main
 
 sys.exit(main())

@@ -19,19 +19,18 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Static, TabbedContent, TabPane
 from textual.worker import WorkerState, get_current_worker
 
-from traces.schema import TraceError
-
-from .commands import StepCommands
-from .messages import ColumnsLoaded, StepLoaded
-from .palette import palette
-from .screens import GoToStepScreen, HelpScreen
-from .session import FIRST_ROWS, FLAG_NAMES, READ_ROWS, Thresholds, TraceSession
-from .widgets.cache_panel import CachePanel
-from .widgets.compare_panel import ComparePanel
-from .widgets.logits_panel import LogitsPanel
-from .widgets.run_panel import RunPanel
-from .widgets.step_list import StepList
-from .widgets.tree_panel import TreePanel
+from kdspec.kdtree_tui.commands import StepCommands
+from kdspec.kdtree_tui.messages import ColumnsLoaded, StepLoaded
+from kdspec.kdtree_tui.palette import palette
+from kdspec.kdtree_tui.screens import GoToStepScreen, HelpScreen
+from kdspec.kdtree_tui.session import FIRST_ROWS, FLAG_NAMES, READ_ROWS, Thresholds, TraceSession
+from kdspec.kdtree_tui.widgets.cache_panel import CachePanel
+from kdspec.kdtree_tui.widgets.compare_panel import ComparePanel
+from kdspec.kdtree_tui.widgets.logits_panel import LogitsPanel
+from kdspec.kdtree_tui.widgets.run_panel import RunPanel
+from kdspec.kdtree_tui.widgets.step_list import StepList
+from kdspec.kdtree_tui.widgets.tree_panel import TreePanel
+from kdspec.traces.schema import TraceError
 
 FOLLOW_INTERVAL = 0.5  # seconds between refresh() calls on a followed trace
 TABS = ("tree", "logits", "cache", "run", "compare")

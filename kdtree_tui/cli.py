@@ -19,7 +19,7 @@ class UsageError(Exception):
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from engine.config import ConfigError, resolve_config
+    from kdspec.engine.model.config import ConfigError, resolve_config
 
     try:
         cfg = resolve_config(args.model)
@@ -30,7 +30,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _select_backend(name: str) -> str:
-    """Before numba is imported: "auto" without a visible GPU turns the CUDA simulator on (DESIGN: the best
+    """Before numba is imported: "auto" without a visible GPU turns the CUDA simulator on (docs/architecture.md: the best
     backend available is a GPU, else the simulator); "sim" always does."""
     if name == "sim" or (name == "auto" and not _gpu_visible()):
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
@@ -48,7 +48,7 @@ def _parse_prompt(args: argparse.Namespace) -> list[int]:
         except ValueError:
             raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
         return ids
-    from engine import tokenizer
+    from kdspec.engine.model import tokenizer
     return tokenizer.encode(args.prompt)
 
 
@@ -82,10 +82,10 @@ def record_trace(model: str, out: str, *, prompt_ids: list[int], max_new_tokens:
     import numba
     import numpy as np
 
-    from engine import api
-    from engine.checkpoint import CheckpointError
-    from engine.config import ConfigError
-    from traces import TraceError, TraceWriter
+    from kdspec.engine.decode import api
+    from kdspec.engine.model.checkpoint import CheckpointError
+    from kdspec.engine.model.config import ConfigError
+    from kdspec.traces import TraceError, TraceWriter
 
     if os.path.exists(out) and not force:
         raise UsageError(f"{out} exists (pass --force to overwrite it)")
@@ -100,11 +100,11 @@ def record_trace(model: str, out: str, *, prompt_ids: list[int], max_new_tokens:
             raise UsageError(f"--save-logits stores full logits: only for vocabularies up to 4096 (this one has "
                              f"{cfg.vocab_size})")
         topk_used = min(budget, cfg.vocab_size) if topk is None else topk
-        from engine.decode import check_generate_args
+        from kdspec.engine.decode.loop import check_generate_args
         check_generate_args(cfg, np.asarray(prompt_ids, dtype=np.int64) if prompt_ids else np.zeros(0, np.int64),
                             max_new_tokens, mode, block_size, budget, topk_used, temperature, seed)
         if mode == "ddtree":
-            from engine.drafters import parse_drafter
+            from kdspec.engine.decode.drafters import parse_drafter
             parse_drafter(drafter)
         reach = max_new_tokens + (block_size if mode == "ddtree" else 0)
         golden = engine.golden(prompt_ids, min(reach, cfg.max_position_embeddings - len(prompt_ids)),
@@ -189,7 +189,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
 
 
 def _open_trace(path: str):
-    from traces import TraceError, open_trace
+    from kdspec.traces import TraceError, open_trace
     try:
         return open_trace(path)
     except TraceError as e:
@@ -197,7 +197,7 @@ def _open_trace(path: str):
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from traces import TraceError, info_json, info_text
+    from kdspec.traces import TraceError, info_json, info_text
     with _open_trace(args.trace) as reader:
         try:
             print(json.dumps(info_json(reader), indent=2) if args.json else info_text(reader))
@@ -207,7 +207,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from traces import TraceError, check
+    from kdspec.traces import TraceError, check
     with _open_trace(args.trace) as reader:
         try:
             code, message = check(reader)
@@ -218,7 +218,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_tui(args: argparse.Namespace) -> int:
-    from kdtree_tui.app import run_app
+    from kdspec.kdtree_tui.app import run_app
     for path in (args.trace, args.compare):
         if path is not None and not os.path.exists(path):
             raise UsageError(f"{path}: no such file")
@@ -239,16 +239,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.no_tui:
         print(out)
         return 0
-    from kdtree_tui.app import run_app
+    from kdspec.kdtree_tui.app import run_app
     return run_app(out)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.quick:
         _select_backend("auto")  # toy sizes: the simulator stands in where there is no GPU
-    from kdtree_tui.benchmarks import runner
+    from kdspec.engine.bench import runner
+    from kdspec.kdtree_tui import bench as tui_bench
     try:
-        rows = runner.run(args.suites, json=args.json, quick=args.quick)
+        rows = runner.run(args.suites, json=args.json, quick=args.quick, extra_suites={"tui": tui_bench.run})
     except ValueError as e:
         raise UsageError(str(e)) from None
     return 1 if any(r.get("ok") is False for r in rows) else 0

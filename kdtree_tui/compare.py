@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .session import TraceSession
+from kdspec.kdtree_tui.session import TraceSession
 
 
 @dataclass

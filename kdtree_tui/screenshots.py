@@ -11,8 +11,8 @@ import tempfile
 
 import numpy as np
 
-from .app import TraceApp
-from .synthetic import write_synthetic_trace
+from kdspec.kdtree_tui.app import TraceApp
+from kdspec.kdtree_tui.synthetic import write_synthetic_trace
 
 SIZE = (110, 32)
 # (file name, keys pressed after going to the step, step)
@@ -36,7 +36,7 @@ class StableReader:
 
 
 def stable_opener(path):
-    from traces.reader import open_trace
+    from kdspec.traces.reader import open_trace
 
     return StableReader(open_trace(path))
 

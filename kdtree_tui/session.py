@@ -50,7 +50,7 @@ def tokens_text(ids: Iterable[int], tokenizer: str = "byte") -> str:
 
 
 def _open_trace(path):
-    from traces.reader import open_trace
+    from kdspec.traces.reader import open_trace
 
     return open_trace(path)
 

@@ -32,7 +32,7 @@ def passage_token(position: int) -> int:
 
 
 def _build_tree(logprobs: np.ndarray, ids: np.ndarray, root: int, budget: int):
-    """Best-first tree of the B most probable prefixes (DESIGN.md section 4 rules, float32 scores)."""
+    """Best-first tree of the B most probable prefixes (docs/ddtree.md rules, float32 scores)."""
     depth_limit, top_k = logprobs.shape
     tokens, parents, depths, ranks, scores = [root], [-1], [0], [0], [np.float32(0)]
     heap = []
@@ -170,7 +170,7 @@ def write_synthetic_trace(path: str | os.PathLike, num_steps: int, *, block_size
 
     ``finish=False`` leaves the trace in the "recording" state (as a crashed or live run would).
     """
-    from traces.writer import TraceWriter
+    from kdspec.traces.writer import TraceWriter
 
     meta = synthetic_metadata(block_size=block_size, budget=budget, draft_topk=draft_topk,
                               prompt_len=prompt_len, seed=seed)

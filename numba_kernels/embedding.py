@@ -12,8 +12,8 @@ import math
 import numpy as np
 from numba import cuda, uint32
 
-from numba_kernels.rmsnorm import as_device_array, is_device_array
-from numba_kernels.warp import ON_SIMULATOR, row_blocks
+from kdspec.numba_kernels.host_arrays import as_device_array, is_device_array
+from kdspec.numba_kernels.runtime import ON_SIMULATOR, row_blocks
 
 EMBED_THREADS = 8 if ON_SIMULATOR else 256
 QUIET_NAN_BITS = 0x7FC00000

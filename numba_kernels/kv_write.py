@@ -1,5 +1,5 @@
 """Cache write of s new tokens, fused with kv_a_layernorm and RoPE on k_pe: one block per token
-(grid-stride over tokens: the simulator runs one block, numba_kernels.warp.row_blocks).
+(grid-stride over tokens: the simulator runs one block, numba_kernels.runtime.row_blocks).
 
 kv_a = kv_a_proj_with_mqa(x) is [s, c + r] = [latent | k_pe]. Row i of the result goes to cache row
 cache_start + i of one layer: [rms_norm(latent) * kv_norm_weight | rope(k_pe, positions[i])].
@@ -13,10 +13,12 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from numba_kernels.launch import launch
-from numba_kernels.rmsnorm import inverse_rms, as_device_array, is_device_array
-from numba_kernels.rope import RopeTable, check_positions, rotate_pair
-from numba_kernels.warp import ON_SIMULATOR, block_sum, row_blocks
+from kdspec.numba_kernels.host_arrays import as_device_array, is_device_array
+from kdspec.numba_kernels.launch import launch
+from kdspec.numba_kernels.reductions import block_sum
+from kdspec.numba_kernels.rmsnorm import inverse_rms
+from kdspec.numba_kernels.rope import RopeTable, check_positions, rotate_pair
+from kdspec.numba_kernels.runtime import ON_SIMULATOR, row_blocks
 
 KV_THREADS = 4 if ON_SIMULATOR else 256  # power of two (block_sum)
 

@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-from numba_kernels.warp import ON_SIMULATOR
+from kdspec.numba_kernels.runtime import ON_SIMULATOR
 
 _LAUNCHERS: dict = {}  # id(kernel) -> Launcher
 

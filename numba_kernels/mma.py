@@ -29,9 +29,9 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, types, uint32
 
-from numba_kernels.flat_access import at, at_put
-from numba_kernels.launch import launcher_for
-from numba_kernels.warp import ON_SIMULATOR, device_function
+from kdspec.numba_kernels.intrinsics import at, at_put
+from kdspec.numba_kernels.launch import launcher_for
+from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, static_for
 
 WARP = 32
 SIM_SCRATCH_PER_WARP = 16 * 8 + 8 * 8  # the A tile and the B tile of one mma
@@ -343,7 +343,6 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
     SCORES, SCALED = fusion == "scores", fusion == "scaled"
     if SCALED and config.group_steps != config.block_k // 8:
         raise ValueError(f"'scaled' needs sum_every >= block_k / 8, got {config}")
-    from numba_kernels.mla_attention import static_for  # here, not at import: mla_attention may import us
     BM, BN, BK, T, STAGES = config.block_m, config.block_n, config.block_k, config.threads, config.stages
     MI, NI = config.fragments
     WN = config.warps_n

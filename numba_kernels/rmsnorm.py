@@ -1,8 +1,8 @@
 """RMSNorm, plain and fused with the residual add: one thread block per token row (grid-stride: the
-simulator runs one block over all rows, numba_kernels.warp.row_blocks).
+simulator runs one block over all rows, numba_kernels.runtime.row_blocks).
 
 out[i] = x[i] / sqrt(mean_j x[i, j]^2 + eps) * w, all in float32; the sum of squares is a block tree
-reduction (numba_kernels.warp.block_sum) of per-thread fp32 partial sums.
+reduction (numba_kernels.reductions.block_sum) of per-thread fp32 partial sums.
 Dimension letters: s tokens, d width (hidden size, q_lora_rank or kv_lora_rank).
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from .device_arrays import as_device_array, is_device_array  # noqa: F401  (re-exported to the launchers)
-
-from numba_kernels.warp import ON_SIMULATOR, block_sum, device_function, row_blocks
+from kdspec.numba_kernels.host_arrays import as_device_array, is_device_array  # noqa: F401  (re-exported to the launchers)
+from kdspec.numba_kernels.reductions import block_sum
+from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, row_blocks
 
 NORM_THREADS = 4 if ON_SIMULATOR else 1024  # power of two (block_sum)
 # Each thread loads LOADS_AHEAD elements before it uses any: at s = 1 one block streams a whole row, and

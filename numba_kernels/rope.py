@@ -1,8 +1,8 @@
 """YaRN rotary embedding on adjacent pairs (x[2i], x[2i+1]), in place, from precomputed cos/sin tables.
 
-The tables come once from the float64 reference (engine.reference.rope_cos_sin, YaRN blend and mscale
-ratio included) for every position < max_position_embeddings, rounded to float32 and uploaded; a kernel
-only gathers row positions[i]. One thread per (token, head, pair). A position outside the table writes NaN
+The caller uploads the tables once (the engine: the float64 reference's cos/sin, YaRN blend and mscale ratio
+included, for every position < max_position_embeddings, rounded to float32) as a RopeTable; a kernel only
+gathers row positions[i]. One thread per (token, head, pair). A position outside the table writes NaN
 (a visible failure rather than a silent wrong rotation).
 Dimension letters: s tokens, h heads, r qk_rope_head_dim (r/2 pairs), P_max table rows.
 """
@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from engine.config import ModelConfig
-from numba_kernels.rmsnorm import as_device_array, is_device_array
-from numba_kernels.warp import ON_SIMULATOR, device_function
+from kdspec.numba_kernels.host_arrays import as_device_array, is_device_array
+from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function
 
 ROPE_THREADS = 8 if ON_SIMULATOR else 256
 
@@ -34,18 +33,6 @@ class RopeTable:
     @property
     def pairs(self) -> int:
         return self.cos.shape[1]
-
-
-def rope_table(cfg: ModelConfig, max_positions: int | None = None, stream=0) -> RopeTable:
-    """Tables for positions 0 .. max_positions-1 (default cfg.max_position_embeddings), float32 on the device."""
-    from engine.reference import rope_cos_sin  # the golden numbers, so kernel and reference agree by construction
-
-    count = cfg.max_position_embeddings if max_positions is None else int(max_positions)
-    if count < 1:
-        raise ValueError(f"max_positions must be positive, got {count}")
-    cos, sin = rope_cos_sin(cfg, np.arange(count, dtype=np.int64))
-    return RopeTable(cuda.to_device(cos.astype(np.float32), stream=stream),
-                     cuda.to_device(sin.astype(np.float32), stream=stream))
 
 
 @device_function(inline=True)

@@ -1,5 +1,5 @@
 """Token choice over the vocabulary, one block per row: argmax, top-k with margin, Gumbel-max sampling
-(grid-stride over rows: the simulator runs one block, numba_kernels.warp.row_blocks).
+(grid-stride over rows: the simulator runs one block, numba_kernels.runtime.row_blocks).
 
 Large vocabularies (V > SPLIT_MIN_VOCAB, e.g. K2's 163840) are split: a first launch gives each (row, vocabulary
 chunk) its own block and keeps the chunk's best candidates, a second merges a row's candidates in one block. One
@@ -16,8 +16,9 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, int32, uint64
 
-from numba_kernels.warp import (INT32_MAX, MAX_ROW_BLOCKS, ON_SIMULATOR, block_argmax, device_function, row_blocks,
-                                to_device)
+from kdspec.numba_kernels.host_arrays import as_device_array as to_device
+from kdspec.numba_kernels.reductions import INT32_MAX, block_argmax
+from kdspec.numba_kernels.runtime import MAX_ROW_BLOCKS, ON_SIMULATOR, device_function, row_blocks
 
 ROW_THREADS = 8 if ON_SIMULATOR else 256
 MAX_TOPK = 16

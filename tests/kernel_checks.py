@@ -18,3 +18,13 @@ def poisoned(shape):
 
 def normal(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def rope_table(cfg, max_positions=None, stream=0):
+    """The engine's RoPE tables for cfg (float64 reference cos/sin rounded to float32) on the device."""
+    from kdspec.engine.golden.model import rope_cos_sin
+    from kdspec.numba_kernels.rope import RopeTable
+    count = cfg.max_position_embeddings if max_positions is None else int(max_positions)
+    cos, sin = rope_cos_sin(cfg, np.arange(count, dtype=np.int64))
+    return RopeTable(cuda.to_device(cos.astype(np.float32), stream=stream),
+                     cuda.to_device(sin.astype(np.float32), stream=stream))

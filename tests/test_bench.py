@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from engine.config import PRESETS
-from engine.weights import parameter_shapes, random_weights
-from kdtree_tui.benchmarks import common, runner
+from kdspec.engine.bench import common, runner
+from kdspec.engine.model.config import PRESETS
+from kdspec.engine.model.weights import parameter_shapes, random_weights
 
 ROW_KEYS = set(common.ROW_KEYS)
 
@@ -56,7 +56,7 @@ def test_runner_rejects_unknown_suite():
 
 @pytest.mark.sim
 def test_runner_failed_suite_is_one_row(monkeypatch):
-    from kdtree_tui.benchmarks import tree
+    from kdspec.engine.bench import tree
 
     def broken(quick=False):
         raise RuntimeError("kernel exploded\nsecond line")
@@ -96,7 +96,7 @@ def test_e2e_and_trace_quick():
 def test_step_bytes_all_experts_is_every_weight():
     """With every routed expert touched, a one-token step at P = 0 moves every parameter but the embedding
     table (bf16 matrices, fp32 vectors), one embedding row, and one cache row read and written per layer."""
-    from kdtree_tui.benchmarks.e2e import step_bytes
+    from kdspec.engine.bench.e2e import step_bytes
     for name in ("tiny", "small"):
         cfg = PRESETS[name]
         shapes = parameter_shapes(cfg)
@@ -116,8 +116,8 @@ def test_hf_peer_matches_golden(name):
     """Our weights loaded into transformers' DeepseekV3ForCausalLM (fp32, CPU) give the float64 golden's logits."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from engine.reference import ReferenceModel
-    from kdtree_tui.benchmarks.e2e import hf_model
+    from kdspec.engine.bench.e2e import hf_model
+    from kdspec.engine.golden.model import ReferenceModel
     cfg = PRESETS[name]
     weights = random_weights(cfg, 3)
     model = hf_model(cfg, {k: torch.from_numpy(v) for k, v in weights.items()}, torch.float32, "cpu")

@@ -12,12 +12,26 @@ import struct
 import numpy as np
 import pytest
 
-from engine.checkpoint import (FP8_QUANTIZATION_CONFIG, CheckpointError, is_fp8_weight, load_model,
-                               load_model_config, save_model)
-from engine.config import PRESETS, ModelConfig
-from engine.safetensors_io import (SafetensorsError, SafetensorsFile, bf16_bits_to_float32, e4m3_to_float32,
-                                   float32_to_bf16_bits, float32_to_e4m3, load_file, save_file)
-from engine.weights import parameter_shapes, random_weights
+from kdspec.engine.model.checkpoint import (
+    FP8_QUANTIZATION_CONFIG,
+    CheckpointError,
+    is_fp8_weight,
+    load_model,
+    load_model_config,
+    save_model,
+)
+from kdspec.engine.model.config import PRESETS, ModelConfig
+from kdspec.engine.model.safetensors_io import (
+    SafetensorsError,
+    SafetensorsFile,
+    bf16_bits_to_float32,
+    e4m3_to_float32,
+    float32_to_bf16_bits,
+    float32_to_e4m3,
+    load_file,
+    save_file,
+)
+from kdspec.engine.model.weights import parameter_shapes, random_weights
 
 TINY = PRESETS["tiny"]
 

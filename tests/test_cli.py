@@ -11,8 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
-from engine import api
-from traces import TraceWriter, open_trace
+from kdspec.engine.decode import api
+from kdspec.traces import TraceWriter, open_trace
 
 ENV = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
 

@@ -1,6 +1,6 @@
 """ModelConfig: HF config.json parsing (flat, Kimi K2.5 text_config, rope_parameters), round trips, validation.
 
-The Kimi K2 fixture is written by hand from DESIGN.md section 3 and the published config.json, not produced
+The Kimi K2 fixture is written by hand from the published config.json, not produced
 by the code under test.
 """
 import copy
@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from engine.config import PRESETS, ConfigError, ModelConfig, YarnScaling, resolve_config
+from kdspec.engine.model.config import PRESETS, ConfigError, ModelConfig, YarnScaling, resolve_config
 
 # Kimi K2 (moonshotai/Kimi-K2-Instruct) config.json, as published: extra fields the parser must ignore included.
 KIMI_K2_CONFIG = {

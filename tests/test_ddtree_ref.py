@@ -4,7 +4,8 @@ import itertools
 import numpy as np
 import pytest
 
-from engine import ddtree_ref, sampling_ref
+from kdspec.engine.golden import ddtree as ddtree_ref
+from kdspec.engine.golden import sampling as sampling_ref
 
 
 def random_draft(rng, depth_limit, top_k, tie_pool=None):

@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 
-from engine import api, ddtree_ref
-from engine.checkpoint import load_model
-from engine.decode import STAGES, ReferenceTreeOps, generate
-from engine.drafters import NoisyOracleDrafter, OracleDrafter
-from engine.reference import ReferenceModel, decode
+from kdspec.engine.decode import api
+from kdspec.engine.decode.drafters import NoisyOracleDrafter, OracleDrafter
+from kdspec.engine.decode.loop import STAGES, ReferenceTreeOps, generate
+from kdspec.engine.golden.model import ReferenceModel, decode
+from kdspec.engine.model.checkpoint import load_model
 
 PRESETS = ("tiny", "small")
 PROMPT = np.array([3, 14, 15, 92, 65, 35], dtype=np.int64)
@@ -289,8 +289,8 @@ def test_api_rejects_drafter_name_in_ar_mode_and_bad_arguments_before_golden():
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
 def test_records_fit_the_trace_writer(tmp_path, mode):
     # the contract with traces/: every record is accepted by the writer and reads back as written
-    from traces.reader import open_trace
-    from traces.writer import TraceWriter
+    from kdspec.traces.reader import open_trace
+    from kdspec.traces.writer import TraceWriter
     engine = api.load("tiny")
     shape = dict(block_size=8, budget=7, draft_topk=7) if mode == "ddtree" else dict(block_size=1, budget=0)
     path = tmp_path / f"{mode}.h5"

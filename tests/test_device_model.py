@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import api
+from kdspec.engine.decode import api
 
 PROMPT = "The tree"
 LOGIT_TOL = 1e-4   # fp32 engine vs float64 golden, per committed position
@@ -124,8 +124,8 @@ def test_k2_mini_ddtree_noisy_budgets(k2_mini, budget):
 def test_device_logits_topk_and_rows_equal_the_host_versions():
     from numba import cuda
 
-    from engine import records
-    from engine.device_model import DeviceLogits
+    from kdspec.engine.decode import records
+    from kdspec.engine.device.logits import DeviceLogits
 
     rng = np.random.default_rng(4)
     host = rng.standard_normal((5, 300)).astype(np.float32)
@@ -141,9 +141,9 @@ def test_device_logits_topk_and_rows_equal_the_host_versions():
 def test_cuda_graph_replays_equal_the_eager_forward(preset):
     """The captured segments (engine/cuda_graphs.py) give the eager forward's logits, step after step, for AR
     (s = 1) and a verify shape, and are really used (a capture exists for each shape)."""
-    from engine.device_model import DeviceModel
-    from engine.weights import random_weights
-    from engine.config import PRESETS
+    from kdspec.engine.device.model import DeviceModel
+    from kdspec.engine.model.config import PRESETS
+    from kdspec.engine.model.weights import random_weights
 
     cfg = PRESETS[preset]
     weights = random_weights(cfg, 0)
@@ -179,8 +179,10 @@ def test_greedy_choice_keeps_the_top_k_the_record_reads():
     version's (ties -> lower id), whether or not the choice ran first."""
     from numba import cuda
 
-    from engine import records, sampling_ref
-    from engine.device_model import DeviceLogits, DeviceTreeOps
+    from kdspec.engine.decode import records
+    from kdspec.engine.device.logits import DeviceLogits
+    from kdspec.engine.device.tree_ops import DeviceTreeOps
+    from kdspec.engine.golden import sampling as sampling_ref
 
     rng = np.random.default_rng(5)
     host = rng.integers(-4, 4, (3, 50)).astype(np.float32)  # many ties

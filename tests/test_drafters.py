@@ -2,8 +2,14 @@
 import numpy as np
 import pytest
 
-from engine import ddtree_ref
-from engine.drafters import (SENTINEL_LOGPROB, DrafterSpec, NoisyOracleDrafter, OracleDrafter, parse_drafter)
+from kdspec.engine.decode.drafters import (
+    SENTINEL_LOGPROB,
+    DrafterSpec,
+    NoisyOracleDrafter,
+    OracleDrafter,
+    parse_drafter,
+)
+from kdspec.engine.golden import ddtree as ddtree_ref
 
 VOCAB = 50
 

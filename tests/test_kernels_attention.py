@@ -9,17 +9,21 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from kdtree_tui.benchmarks.attention import random_tree_visibility  # the bench's masks
-from kernel_checks import assert_close as check_close, normal, poisoned
-from engine import reference as ref
-from engine.config import PRESETS
-from numba_kernels.embedding import embed_tokens
-from numba_kernels.kv_write import write_kv_rows
-from numba_kernels.mla_attention import (DEFAULT_CONFIG, MAX_LATENT, MIN_KEYS_PER_SPLIT, TileConfig, attention_path,
-                                         causal_visibility, default_num_splits, mla_attention, pack_visibility)
-from numba_kernels.rmsnorm import add_rms_norm, rms_norm
-from numba_kernels.rope import apply_rope, rope_table
-from numba_kernels.warp import ON_SIMULATOR
+from kdspec.engine.bench.attention import random_tree_visibility  # the bench's masks
+from kdspec.engine.golden import layers
+from kdspec.engine.golden import model as ref
+from kdspec.engine.model.config import PRESETS
+from kdspec.numba_kernels.attention.common import MAX_LATENT, causal_visibility, pack_visibility
+from kdspec.numba_kernels.attention.dispatch import attention_path, mla_attention
+from kdspec.numba_kernels.attention.simt import DEFAULT_CONFIG, MIN_KEYS_PER_SPLIT, TileConfig, default_num_splits
+from kdspec.numba_kernels.embedding import embed_tokens
+from kdspec.numba_kernels.kv_write import write_kv_rows
+from kdspec.numba_kernels.rmsnorm import add_rms_norm, rms_norm
+from kdspec.numba_kernels.rope import apply_rope
+from kdspec.numba_kernels.runtime import ON_SIMULATOR
+
+from kernel_checks import assert_close as check_close
+from kernel_checks import normal, poisoned, rope_table
 
 pytestmark = pytest.mark.sim
 RTOL = 1e-5
@@ -90,7 +94,7 @@ def test_rope_on_a_strided_view_of_q_touches_only_the_rope_columns(tiny, tiny_ta
     apply_rope(q_dev[:, :, nope:], tiny_table, positions)
     result = q_dev.copy_to_host()
     np.testing.assert_array_equal(result[:, :, :nope], q[:, :, :nope])
-    assert_close(result[:, :, nope:], ref.apply_rope(q[:, :, nope:], *ref.rope_cos_sin(tiny, positions)))
+    assert_close(result[:, :, nope:], layers.apply_rope(q[:, :, nope:], *ref.rope_cos_sin(tiny, positions)))
 
 
 def test_rope_on_rows_of_k_pe(tiny, tiny_table):
@@ -98,7 +102,7 @@ def test_rope_on_rows_of_k_pe(tiny, tiny_table):
     k_pe = normal(rng, 6, tiny.qk_rope_head_dim)
     positions = np.array([0, 1, 7, 64, 100, 255], dtype=np.int64)
     rotated = apply_rope(cuda.to_device(k_pe), tiny_table, positions).copy_to_host()
-    assert_close(rotated, ref.apply_rope(k_pe, *ref.rope_cos_sin(tiny, positions)))
+    assert_close(rotated, layers.apply_rope(k_pe, *ref.rope_cos_sin(tiny, positions)))
 
 
 def test_rope_position_checks(tiny, tiny_table):
@@ -157,7 +161,7 @@ def test_write_kv_rows_norms_ropes_and_writes_only_its_rows(tiny, tiny_table):
     result = cache.copy_to_host()
     rows = result[layer, start:start + tokens]
     assert_close(rows[:, :latent], ref.rms_norm(kv_a[:, :latent], weight, tiny.rms_norm_eps))
-    assert_close(rows[:, latent:], ref.apply_rope(kv_a[:, latent:], *ref.rope_cos_sin(tiny, positions)))
+    assert_close(rows[:, latent:], layers.apply_rope(kv_a[:, latent:], *ref.rope_cos_sin(tiny, positions)))
     untouched = np.ones(result.shape, bool)
     untouched[layer, start:start + tokens] = False
     assert np.isnan(result[untouched]).all()
@@ -183,7 +187,7 @@ def run_attention(rng, tokens, heads, latent, rope, prefix, visible, num_splits,
                         out=poisoned((tokens, heads, latent)), num_splits=num_splits, config=config).copy_to_host()
     keys = cache[:prefix + tokens]
     full = np.concatenate([np.ones((tokens, prefix), bool), visible], axis=1)
-    expected = ref.mla_attention_latent(q_lat, q_pe, keys[:, :latent], keys[:, latent:], full, scale)
+    expected = layers.mla_attention_latent(q_lat, q_pe, keys[:, :latent], keys[:, latent:], full, scale)
     return out, expected
 
 

@@ -9,13 +9,21 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from kdtree_tui.benchmarks.attention import random_tree_visibility  # the bench's masks
-from kernel_checks import assert_close as check_close, normal, poisoned
-from engine.reference_layers import mla_attention_latent
-from numba_kernels.mla_attention import MAX_LATENT, mla_attention, pack_visibility
-from numba_kernels.mla_attention_decode import (DEFAULT_CONFIG, MAX_TOKENS, DecodeConfig, decode_num_splits,
-                                                mla_attention_decode)
-from numba_kernels.warp import ON_SIMULATOR
+from kdspec.engine.bench.attention import random_tree_visibility  # the bench's masks
+from kdspec.engine.golden.layers import mla_attention_latent
+from kdspec.numba_kernels.attention.common import MAX_LATENT, pack_visibility
+from kdspec.numba_kernels.attention.decode import (
+    DEFAULT_CONFIG,
+    MAX_TOKENS,
+    DecodeConfig,
+    decode_num_splits,
+    mla_attention_decode,
+)
+from kdspec.numba_kernels.attention.dispatch import mla_attention
+from kdspec.numba_kernels.runtime import ON_SIMULATOR
+
+from kernel_checks import assert_close as check_close
+from kernel_checks import normal, poisoned
 
 RTOL = 1e-5
 

@@ -7,15 +7,20 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from kdtree_tui.benchmarks.attention import random_tree_visibility  # the bench's masks
-from kernel_checks import assert_close as check_close, normal, poisoned
-from engine import reference as ref
-from engine.config import PRESETS
-from numba_kernels.embedding import embed_tokens
-from numba_kernels.kv_write import write_kv_rows
-from numba_kernels.mla_attention import TileConfig, mla_attention, pack_visibility
-from numba_kernels.rmsnorm import add_rms_norm, rms_norm
-from numba_kernels.rope import apply_rope, rope_table
+from kdspec.engine.bench.attention import random_tree_visibility  # the bench's masks
+from kdspec.engine.golden import layers
+from kdspec.engine.golden import model as ref
+from kdspec.engine.model.config import PRESETS
+from kdspec.numba_kernels.attention.common import pack_visibility
+from kdspec.numba_kernels.attention.dispatch import mla_attention
+from kdspec.numba_kernels.attention.simt import TileConfig
+from kdspec.numba_kernels.embedding import embed_tokens
+from kdspec.numba_kernels.kv_write import write_kv_rows
+from kdspec.numba_kernels.rmsnorm import add_rms_norm, rms_norm
+from kdspec.numba_kernels.rope import apply_rope
+
+from kernel_checks import assert_close as check_close
+from kernel_checks import normal, poisoned, rope_table
 
 pytestmark = pytest.mark.gpu
 RTOL = 1e-4
@@ -54,10 +59,10 @@ def test_rope_on_q_view_and_k_pe(k2_table):
     result = q_dev.copy_to_host()
     np.testing.assert_array_equal(result[:, :, :nope], q[:, :, :nope])
     cos, sin = ref.rope_cos_sin(K2, positions)
-    assert_close(result[:, :, nope:], ref.apply_rope(q[:, :, nope:], cos, sin))
+    assert_close(result[:, :, nope:], layers.apply_rope(q[:, :, nope:], cos, sin))
     k_pe = normal(rng, tokens, rope)
     assert_close(apply_rope(cuda.to_device(k_pe), k2_table, positions).copy_to_host(),
-                 ref.apply_rope(k_pe, cos, sin))
+                 layers.apply_rope(k_pe, cos, sin))
 
 
 def test_embedding_bf16_rows():
@@ -81,7 +86,7 @@ def test_write_kv_rows_k2(k2_table):
     result = cache.copy_to_host()
     rows = result[1, start:start + tokens]
     assert_close(rows[:, :latent], ref.rms_norm(kv_a[:, :latent], weight, K2.rms_norm_eps))
-    assert_close(rows[:, latent:], ref.apply_rope(kv_a[:, latent:], *ref.rope_cos_sin(K2, positions)))
+    assert_close(rows[:, latent:], layers.apply_rope(kv_a[:, latent:], *ref.rope_cos_sin(K2, positions)))
     assert np.isnan(result[0]).all() and np.isnan(result[1, :start]).all() and np.isnan(result[1, start + tokens:]).all()
 
 

@@ -8,13 +8,15 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from kdspec.engine.bench.attention import random_tree_visibility
+from kdspec.engine.golden.layers import mla_attention_latent
+from kdspec.numba_kernels.attention import tc as tc_module
+from kdspec.numba_kernels.attention.common import pack_visibility
+from kdspec.numba_kernels.attention.dispatch import mla_attention
+from kdspec.numba_kernels.attention.tc import AttentionTcConfig, default_value_splits, mla_attention_tc
+from kdspec.numba_kernels.mma import GemmConfig
+
 from kernel_checks import assert_close as check_close
-from engine.reference_layers import mla_attention_latent
-from kdtree_tui.benchmarks.attention import random_tree_visibility
-from numba_kernels.mla_attention import mla_attention, pack_visibility
-from numba_kernels import mla_attention_tc as tc_module
-from numba_kernels.mla_attention_tc import AttentionTcConfig, default_value_splits, mla_attention_tc
-from numba_kernels.mma import GemmConfig
 
 RTOL = 1e-5
 

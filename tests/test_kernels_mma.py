@@ -5,10 +5,17 @@ the inline PTX (cvt.rna.tf32.f32, mma.sync m16n8k8), so both are held to the PTX
 """
 import numpy as np
 import pytest
-from numba import cuda, float32, uint32
+from numba import cuda, float32
 
-from numba_kernels.mma import (DEFAULT_GEMM, SIM_SCRATCH_PER_WARP, GemmConfig, gemm_tf32x3, mma_tf32, tf32_as_float,
-                               tf32_round, tf32_split)
+from kdspec.numba_kernels.mma import (
+    DEFAULT_GEMM,
+    SIM_SCRATCH_PER_WARP,
+    GemmConfig,
+    gemm_tf32x3,
+    mma_tf32,
+    tf32_round,
+    tf32_split,
+)
 
 pytestmark = pytest.mark.sim
 

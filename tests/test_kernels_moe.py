@@ -5,13 +5,21 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from engine import reference as ref
-from engine.config import PRESETS
-from engine.weights import random_weights
-from numba_kernels.moe_experts import (TOKENS_PER_PASS, ExpertPlan, ExpertsConfig, moe_experts, plan_pairs, weight_view,
-                                       word_width)
-from numba_kernels.moe_router import route_experts, route_experts_from_hidden, router_options
-from numba_kernels.swiglu import silu_mul, swiglu_gemv
+from kdspec.engine.golden import layers
+from kdspec.engine.golden import model as ref
+from kdspec.engine.model.config import PRESETS
+from kdspec.engine.model.weights import random_weights
+from kdspec.numba_kernels.host_arrays import weight_view
+from kdspec.numba_kernels.moe.experts import (
+    TOKENS_PER_PASS,
+    ExpertPlan,
+    ExpertsConfig,
+    moe_experts,
+    plan_pairs,
+    word_width,
+)
+from kdspec.numba_kernels.moe.router import route_experts, route_experts_from_hidden, router_options
+from kdspec.numba_kernels.moe.swiglu import silu_mul, swiglu_gemv
 
 pytestmark = pytest.mark.sim
 
@@ -58,7 +66,7 @@ def test_router_from_logits_matches_reference(e, k, n_group, topk_group, norm):
     ids, weights = route_experts(logits, bias, **router_options(cfg), out_ids=out_ids, out_weights=out_weights)
     ids, weights = ids.copy_to_host(), weights.copy_to_host()
     # the reference computes x @ I^T = the logits themselves, in float64
-    want_ids, want_weights = ref.moe_gate(cfg, logits, np.eye(e), bias)
+    want_ids, want_weights = layers.moe_gate(cfg, logits, np.eye(e), bias)
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_allclose(weights, want_weights, rtol=1e-5, atol=0)
 
@@ -79,7 +87,7 @@ def test_router_from_hidden_matches_reference(e, k, n_group, topk_group, norm, w
     out_ids, out_weights = poisoned_route_outputs(s, k)
     ids, weights = route_experts_from_hidden(x, gate_dev, bias, **router_options(cfg), out_ids=out_ids,
                                              out_weights=out_weights)
-    want_ids, want_weights = ref.moe_gate(cfg, x, gate_ref, bias)
+    want_ids, want_weights = layers.moe_gate(cfg, x, gate_ref, bias)
     np.testing.assert_array_equal(ids.copy_to_host(), want_ids)
     np.testing.assert_allclose(weights.copy_to_host(), want_weights, rtol=1e-5, atol=0)
 
@@ -97,7 +105,7 @@ def test_router_ties_go_to_lower_index():
     bias = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], np.float32)
     ids, _ = route_experts(logits, bias, k=2, n_group=4, topk_group=1)
     np.testing.assert_array_equal(ids.copy_to_host(), [[2, 3]])
-    want_ids, _ = ref.moe_gate(moe_config(8, 2, 4, 1), logits, np.eye(8), bias)
+    want_ids, _ = layers.moe_gate(moe_config(8, 2, 4, 1), logits, np.eye(8), bias)
     np.testing.assert_array_equal(want_ids, [[2, 3]])
 
 
@@ -142,7 +150,7 @@ def experts_reference(x, ids, weights, w_gate_up, w_down):
     for t in range(ids.shape[0]):
         for slot in range(ids.shape[1]):
             e = ids[t, slot]
-            y[t] += weights[t, slot] * ref.swiglu(x[t:t + 1], w_gate_up[e, :f], w_gate_up[e, f:], w_down[e])[0]
+            y[t] += weights[t, slot] * layers.swiglu(x[t:t + 1], w_gate_up[e, :f], w_gate_up[e, f:], w_down[e])[0]
     return y
 
 
@@ -324,7 +332,7 @@ def test_swiglu_gemv_matches_reference(weight_dtype):
         gate_ref, down_ref = widen_bf16(gate_dev), widen_bf16(down_dev)
     out = cuda.to_device(np.full((s, d), np.nan, np.float32))
     got = swiglu_gemv(x, gate_dev, down_dev, out=out).copy_to_host()
-    want = ref.swiglu(x, gate_ref[:f], gate_ref[f:], down_ref)
+    want = layers.swiglu(x, gate_ref[:f], gate_ref[f:], down_ref)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 

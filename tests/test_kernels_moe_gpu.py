@@ -6,10 +6,12 @@ import pytest
 from numba import cuda, float32, uint16, uint64
 from numba.cuda import libdevice
 
-from engine import reference as ref
-from engine.config import PRESETS
-from numba_kernels.moe_experts import DEFAULT_CONFIG, moe_experts, weight_view, word_width
-from numba_kernels.moe_router import route_experts, route_experts_from_hidden, router_options
+from kdspec.engine.golden import layers
+from kdspec.engine.golden import model as ref
+from kdspec.engine.model.config import PRESETS
+from kdspec.numba_kernels.host_arrays import weight_view
+from kdspec.numba_kernels.moe.experts import DEFAULT_CONFIG, moe_experts, word_width
+from kdspec.numba_kernels.moe.router import route_experts, route_experts_from_hidden, router_options
 
 pytestmark = pytest.mark.gpu
 
@@ -60,16 +62,16 @@ def test_router_kimi_size(n_group, topk_group, source):
     if source == "logits":
         logits = x @ gate.T  # fp32 logits given to both sides
         route_experts(logits, bias, **options)
-        want_ids, want_weights = ref.moe_gate(cfg, logits, np.eye(E), bias)
-        scores = ref.sigmoid(logits.astype(np.float64))
+        want_ids, want_weights = layers.moe_gate(cfg, logits, np.eye(E), bias)
+        scores = layers.sigmoid(logits.astype(np.float64))
     else:
         if source == "hidden_f32":
             gate_dev, gate_ref = gate, gate
         else:
             gate_dev, gate_ref = to_bf16_bits(gate), widen_bf16(to_bf16_bits(gate))
         route_experts_from_hidden(x, gate_dev, bias, **options)
-        want_ids, want_weights = ref.moe_gate(cfg, x, gate_ref, bias)
-        scores = ref.sigmoid(ref.linear(x, gate_ref))
+        want_ids, want_weights = layers.moe_gate(cfg, x, gate_ref, bias)
+        scores = layers.sigmoid(ref.linear(x, gate_ref))
     ids, weights = out_ids.copy_to_host(), out_weights.copy_to_host()
     assert (ids >= 0).all() and np.isfinite(weights).all()
     expert_gap, group_gap = choice_margins(cfg, scores, bias.astype(np.float64))
@@ -114,7 +116,7 @@ def experts_reference(x, ids, weights, tokens, w_gate_up, w_down):
         gate_up = widen_bf16(w_gate_up[expert].copy_to_host())
         down = widen_bf16(w_down[expert].copy_to_host())
         xt = x[tokens][rows].astype(np.float64)
-        h = ref.silu(xt @ gate_up[:F].T) * (xt @ gate_up[F:].T)
+        h = layers.silu(xt @ gate_up[:F].T) * (xt @ gate_up[F:].T)
         y[rows] += weights[tokens][rows, slots][:, None] * (h @ down.T)
     return y
 

@@ -1,6 +1,6 @@
 """Grid-stride row loops: every per-row kernel gives the reference result whatever the number of row blocks.
 
-The simulator launches one block over all rows (warp.MAX_ROW_BLOCKS = 1), a GPU one block per row. Here the
+The simulator launches one block over all rows (runtime.MAX_ROW_BLOCKS = 1), a GPU one block per row. Here the
 limit is patched to 1 (simulator shape), 2 (blocks that loop over an uneven share of the rows) and 64 (more
 than the rows: the GPU shape), with row counts that 2 does not divide. Outputs are poisoned before each run;
 references are engine.reference / engine.sampling_ref (float64 numpy), integer results compared exactly.
@@ -11,18 +11,22 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from engine import reference as ref
-from engine import sampling_ref
-from engine.config import PRESETS
-from numba_kernels import sampling, warp
-from numba_kernels.embedding import embed_tokens
-from numba_kernels.kv_write import write_kv_rows
-from numba_kernels.mla_attention import ROW_TILE, mla_attention, pack_visibility
-from numba_kernels.moe_experts import moe_experts
-from numba_kernels.moe_router import route_experts, route_experts_from_hidden, router_options
-from numba_kernels.rmsnorm import add_rms_norm, rms_norm
-from numba_kernels.rope import rope_table
-from numba_kernels.swiglu import silu_mul, swiglu_gemv
+from kdspec.engine.golden import layers
+from kdspec.engine.golden import model as ref
+from kdspec.engine.golden import sampling as sampling_ref
+from kdspec.engine.model.config import PRESETS
+from kdspec.numba_kernels import runtime, sampling
+from kdspec.numba_kernels.attention.common import pack_visibility
+from kdspec.numba_kernels.attention.dispatch import mla_attention
+from kdspec.numba_kernels.attention.simt import ROW_TILE
+from kdspec.numba_kernels.embedding import embed_tokens
+from kdspec.numba_kernels.kv_write import write_kv_rows
+from kdspec.numba_kernels.moe.experts import moe_experts
+from kdspec.numba_kernels.moe.router import route_experts, route_experts_from_hidden, router_options
+from kdspec.numba_kernels.moe.swiglu import silu_mul, swiglu_gemv
+from kdspec.numba_kernels.rmsnorm import add_rms_norm, rms_norm
+
+from kernel_checks import rope_table
 
 pytestmark = pytest.mark.sim
 ROWS = 5  # odd: with 2 blocks, block 0 loops over 3 rows and block 1 over 2
@@ -30,7 +34,7 @@ ROWS = 5  # odd: with 2 blocks, block 0 loops over 3 rows and block 1 over 2
 
 @pytest.fixture(params=[1, 2, 64], ids=lambda n: f"blocks{n}")
 def row_block_limit(request, monkeypatch):
-    monkeypatch.setattr(warp, "MAX_ROW_BLOCKS", request.param)
+    monkeypatch.setattr(runtime, "MAX_ROW_BLOCKS", request.param)
     return request.param
 
 
@@ -48,8 +52,8 @@ def assert_close(actual, expected, rtol=1e-5):
 
 
 def test_row_blocks_caps_the_grid(row_block_limit):
-    assert warp.row_blocks(0) == 1  # launchers skip empty launches; a grid is never 0
-    assert warp.row_blocks(ROWS) == min(ROWS, row_block_limit)
+    assert runtime.row_blocks(0) == 1  # launchers skip empty launches; a grid is never 0
+    assert runtime.row_blocks(ROWS) == min(ROWS, row_block_limit)
 
 
 def test_norms_kv_write_and_embedding(row_block_limit):
@@ -69,7 +73,7 @@ def test_norms_kv_write_and_embedding(row_block_limit):
     write_kv_rows(cache, 1, 2, kv_a, kv_weight, tiny.rms_norm_eps, rope_table(tiny), positions)
     result = cache.copy_to_host()
     assert_close(result[1, 2:2 + ROWS, :latent], ref.rms_norm(kv_a[:, :latent], kv_weight, tiny.rms_norm_eps))
-    assert_close(result[1, 2:2 + ROWS, latent:], ref.apply_rope(kv_a[:, latent:], *ref.rope_cos_sin(tiny, positions)))
+    assert_close(result[1, 2:2 + ROWS, latent:], layers.apply_rope(kv_a[:, latent:], *ref.rope_cos_sin(tiny, positions)))
     untouched = np.ones(result.shape, bool)
     untouched[1, 2:2 + ROWS] = False
     assert np.isnan(result[untouched]).all()
@@ -92,7 +96,7 @@ def test_router_experts_and_swiglu(row_block_limit):
     x = normal(rng, ROWS, d)
     gate = normal(rng, e, d, scale=1 / np.sqrt(d))
     bias = normal(rng, e, scale=0.5)
-    want_ids, want_weights = ref.moe_gate(cfg, x, gate, bias)
+    want_ids, want_weights = layers.moe_gate(cfg, x, gate, bias)
     for route in (lambda **kw: route_experts(x @ gate.T, bias, **kw),
                   lambda **kw: route_experts_from_hidden(x, gate, bias, **kw)):
         ids, weights = route(**router_options(cfg), out_ids=poisoned((ROWS, k), np.int32, -7),
@@ -111,11 +115,11 @@ def test_router_experts_and_swiglu(row_block_limit):
     for t in range(ROWS):
         for slot in range(k):
             j = ids[t, slot]
-            want[t] += weights[t, slot] * ref.swiglu(x[t:t + 1], w_gate_up[j, :f], w_gate_up[j, f:], w_down[j])[0]
+            want[t] += weights[t, slot] * layers.swiglu(x[t:t + 1], w_gate_up[j, :f], w_gate_up[j, f:], w_down[j])[0]
     assert_close(y, want)
 
     y = swiglu_gemv(x, w_gate_up[2], w_down[2], out=poisoned((ROWS, d))).copy_to_host()
-    assert_close(y, ref.swiglu(x, w_gate_up[2, :f], w_gate_up[2, f:], w_down[2]))
+    assert_close(y, layers.swiglu(x, w_gate_up[2, :f], w_gate_up[2, f:], w_down[2]))
     gate_up = normal(rng, ROWS, 2 * f, scale=3.0)
     g, u = gate_up[:, :f].astype(np.float64), gate_up[:, f:].astype(np.float64)
     assert_close(silu_mul(gate_up, out=poisoned((ROWS, f))).copy_to_host(), g / (1 + np.exp(-g)) * u, rtol=1e-6)
@@ -137,7 +141,7 @@ def test_sampling_rows(row_block_limit):
     assert got == [sampling_ref.choose_token(logits[r], 0.7, 12345, int(positions[r])) for r in range(ROWS)]
 
 
-@pytest.mark.skipif(not warp.ON_SIMULATOR, reason="sized for the simulator's 8-row tiles (a GPU tile holds 64 rows)")
+@pytest.mark.skipif(not runtime.ON_SIMULATOR, reason="sized for the simulator's 8-row tiles (a GPU tile holds 64 rows)")
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_attention_row_tiles_and_merge(row_block_limit, num_splits):
     rng = np.random.default_rng(4 + num_splits)
@@ -155,4 +159,4 @@ def test_attention_row_tiles_and_merge(row_block_limit, num_splits):
                         out=poisoned((tokens, heads, latent)), num_splits=num_splits).copy_to_host()
     keys = cache[:prefix + tokens]
     full = np.concatenate([np.ones((tokens, prefix), bool), visible], axis=1)
-    assert_close(out, ref.mla_attention_latent(q_lat, q_pe, keys[:, :latent], keys[:, latent:], full, 0.37))
+    assert_close(out, layers.mla_attention_latent(q_lat, q_pe, keys[:, :latent], keys[:, latent:], full, 0.37))

@@ -2,9 +2,9 @@
 bit-exact ids, values and margins, ties -> lower id, outputs poisoned."""
 import numpy as np
 import pytest
-
 from numba import cuda
-from numba_kernels import sampling
+
+from kdspec.numba_kernels import sampling
 
 pytestmark = pytest.mark.sim
 

@@ -8,11 +8,15 @@ import math
 
 import numpy as np
 import pytest
-from numba import cuda, float32, float64, int32
+from numba import cuda, float64, int32
 
-from engine import ddtree_ref, sampling_ref
-from numba_kernels import kv_compact, sampling, tree_accept, tree_build
-from numba_kernels.warp import INT32_MAX, block_argmax, block_max, block_sum
+from kdspec.engine.golden import ddtree as ddtree_ref
+from kdspec.engine.golden import sampling as sampling_ref
+from kdspec.numba_kernels import sampling
+from kdspec.numba_kernels.reductions import INT32_MAX, block_argmax, block_max, block_sum
+from kdspec.numba_kernels.tree import accept as tree_accept
+from kdspec.numba_kernels.tree import build as tree_build
+from kdspec.numba_kernels.tree import compact as kv_compact
 
 pytestmark = [pytest.mark.sim, pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
 
@@ -35,7 +39,7 @@ def random_drafts(rng, batch, depth_limit, top_k, tie_pool):
     return logprobs.astype(np.float32), ids
 
 
-# --- warp.py block reductions --------------------------------------------------------------------
+# --- reductions.py block reductions --------------------------------------------------------------------
 
 BLOCK = 8
 

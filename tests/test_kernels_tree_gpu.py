@@ -8,11 +8,15 @@ against the Python heapq builder.
 import numpy as np
 import pytest
 from numba import cuda, float64, int32
-
-from engine import ddtree_ref, sampling_ref
-from numba_kernels import kv_compact, sampling, tree_accept, tree_build
-from numba_kernels.warp import INT32_MAX, block_argmax, block_max, block_sum
 from test_kernels_tree import expected_build, poisoned, random_drafts, run_build
+
+from kdspec.engine.golden import ddtree as ddtree_ref
+from kdspec.engine.golden import sampling as sampling_ref
+from kdspec.numba_kernels import sampling
+from kdspec.numba_kernels.reductions import INT32_MAX, block_argmax, block_max, block_sum
+from kdspec.numba_kernels.tree import accept as tree_accept
+from kdspec.numba_kernels.tree import build as tree_build
+from kdspec.numba_kernels.tree import compact as kv_compact
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +45,7 @@ VARIANTS = [dict(), dict(redux=False), dict(stage_logprobs=False), dict(scan_unr
 def test_build_trees_bench_shapes_every_variant(budget, tied, variant):
     """The bench's inputs (K = B, so L*K passes the shared log-prob cache at B=1024), one full warp per request
     (the shuffle reductions), each kernel variant; tied: log-probs from 4 values (exact ties everywhere)."""
-    from kdtree_tui.benchmarks.tree import random_drafts as bench_drafts
+    from kdspec.engine.bench.tree import random_drafts as bench_drafts
     logprobs, ids = bench_drafts(64, 15, budget, seed=budget)
     if tied:
         logprobs = np.round(logprobs * 2.0).clip(-3.0, None).astype(np.float32) / np.float32(2.0)

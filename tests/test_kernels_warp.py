@@ -1,12 +1,12 @@
-"""numba_kernels.warp.device_function: under the simulator a helper that never names ``cuda`` is the plain
+"""numba_kernels.runtime.device_function: under the simulator a helper that never names ``cuda`` is the plain
 Python function (no per-call globals swap), one that does stays a device function; inside a kernel both
 give the same values as on the GPU, where every helper is a Numba device function."""
 import numpy as np
 import pytest
 from numba import cuda
 
-from numba_kernels import warp
-from numba_kernels.warp import ON_SIMULATOR, device_function
+from kdspec.numba_kernels import runtime
+from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function
 
 cuda_module = cuda  # an alias the simulator would swap too
 
@@ -36,8 +36,8 @@ def _probe(values, out):
 
 
 def test_which_helpers_stay_plain():
-    assert warp._names_cuda(_lane) and warp._names_cuda(_lane_through_alias)
-    assert not warp._names_cuda(_scaled)
+    assert runtime._names_cuda(_lane) and runtime._names_cuda(_lane_through_alias)
+    assert not runtime._names_cuda(_scaled)
     if ON_SIMULATOR:
         assert plain_scaled is _scaled
     else:

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from numba import cuda, types
 
-from numba_kernels.launch import Launcher, launch, launcher_for
-from numba_kernels.warp import ON_SIMULATOR
+from kdspec.numba_kernels.launch import Launcher, launch, launcher_for
+from kdspec.numba_kernels.runtime import ON_SIMULATOR
 
 SIGNATURE = types.void(types.Array(types.float32, 1, "C"), types.Array(types.int32, 2, "C"), types.int32,
                        types.uint32, types.int64, types.float32, types.Array(types.float32, 1, "C"))

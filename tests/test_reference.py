@@ -10,10 +10,11 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from engine import reference as R
-from engine.config import PRESETS, YarnScaling
-from engine.sampling_ref import choose_token
-from engine.weights import random_weights
+from kdspec.engine.golden import layers
+from kdspec.engine.golden import model as R
+from kdspec.engine.golden.sampling import choose_token
+from kdspec.engine.model.config import PRESETS, YarnScaling
+from kdspec.engine.model.weights import random_weights
 
 # small-like, but with q_lora_rank, group-limited routing, YaRN whose mscale != mscale_all_dim (so the
 # cos/sin magnitude is not 1), tied embeddings and a single dense layer.
@@ -95,7 +96,7 @@ YARN_CASES = [
 def test_yarn_frequencies_match_formula_loop(dim, base, ys):
     cfg = dataclasses.replace(PRESETS["tiny"], qk_rope_head_dim=dim, rope_theta=base, rope_scaling=ys)
     expected = _yarn_frequencies_loop(dim, base, ys)
-    got = R.rope_frequencies(cfg)
+    got = layers.rope_frequencies(cfg)
     np.testing.assert_allclose(got, expected, rtol=1e-14, atol=0)
     # The blend must actually do something in the K2-like cases: low-frequency pairs divided by factor.
     if ys.original_max_position_embeddings == 4096:
@@ -127,10 +128,10 @@ def test_apply_rope_is_complex_rotation_of_adjacent_pairs():
     positions = rng.integers(0, 500, size=6)
     x = rng.standard_normal((6, 3, cfg.qk_rope_head_dim))
     cos, sin = R.rope_cos_sin(cfg, positions)
-    angle = np.outer(positions, R.rope_frequencies(cfg))[:, None, :]
+    angle = np.outer(positions, layers.rope_frequencies(cfg))[:, None, :]
     z = (x[..., 0::2] + 1j * x[..., 1::2]) * np.exp(1j * angle)  # the official apply_rotary_emb
     expected = np.stack([z.real, z.imag], axis=-1).reshape(x.shape)
-    np.testing.assert_allclose(R.apply_rope(x, cos, sin), expected, atol=1e-12)
+    np.testing.assert_allclose(layers.apply_rope(x, cos, sin), expected, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -142,7 +143,7 @@ def test_adjacent_pair_rope_scores_equal_hf_rotate_half_after_permutation(name):
     q_pos, k_pos = rng.integers(0, 200, size=5), rng.integers(0, 200, size=7)
     q_cos, q_sin = R.rope_cos_sin(cfg, q_pos)
     k_cos, k_sin = R.rope_cos_sin(cfg, k_pos)
-    ours = R.apply_rope(q, q_cos, q_sin) @ R.apply_rope(k, k_cos, k_sin).T
+    ours = layers.apply_rope(q, q_cos, q_sin) @ layers.apply_rope(k, k_cos, k_sin).T
 
     perm = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])  # HF: [evens | odds]
 
@@ -167,7 +168,7 @@ def test_rms_norm_and_swiglu_against_loops():
         for j in range(10):
             assert got[i, j] == pytest.approx(xi[j] / rms * float(np.float32(w[j])), rel=1e-13)
     gate, up, down = rng.standard_normal((4, 10)), rng.standard_normal((4, 10)), rng.standard_normal((10, 4))
-    y = R.swiglu(x, gate, up, down)
+    y = layers.swiglu(x, gate, up, down)
     for i in range(3):
         hidden = [(g := float(gate[a] @ x[i])) / (1 + math.exp(-g)) * float(up[a] @ x[i]) for a in range(4)]
         np.testing.assert_allclose(y[i], [sum(down[j, a] * hidden[a] for a in range(4)) for j in range(10)],
@@ -206,7 +207,7 @@ def test_mla_latent_core_against_per_head_loop():
     q_lat, q_pe = rng.standard_normal((s, h, c)), rng.standard_normal((s, h, r))
     kv_c, k_pe = rng.standard_normal((t, c)), rng.standard_normal((t, r))
     visibility = np.tril(np.ones((s, t), dtype=bool), k=t - s)
-    got = R.mla_attention_latent(q_lat, q_pe, kv_c, k_pe, visibility, scale)
+    got = layers.mla_attention_latent(q_lat, q_pe, kv_c, k_pe, visibility, scale)
     for i in range(s):
         for head in range(h):
             keys = [j for j in range(t) if visibility[i, j]]
@@ -219,7 +220,7 @@ def test_mla_latent_core_against_per_head_loop():
 def test_attention_rejects_a_query_that_sees_nothing():
     vis = np.array([[True, False], [False, False]])
     with pytest.raises(ValueError, match="query 1 sees no key"):
-        R.mla_attention_latent(np.ones((2, 1, 3)), np.ones((2, 1, 2)), np.ones((2, 3)), np.ones((2, 2)), vis, 1.0)
+        layers.mla_attention_latent(np.ones((2, 1, 3)), np.ones((2, 1, 2)), np.ones((2, 3)), np.ones((2, 2)), vis, 1.0)
 
 
 # ------------------------------------------------------------------------------------------------ MoE
@@ -273,21 +274,21 @@ def test_moe_gate_matches_brute_force(cfg, quantised):
         x = rng.standard_normal((40, d))
         gate_weight = rng.standard_normal((e, d)) / np.sqrt(d)
         bias = 0.2 * rng.standard_normal(e)
-    ids, weights = R.moe_gate(cfg, x, gate_weight, bias)
+    ids, weights = layers.moe_gate(cfg, x, gate_weight, bias)
     expected_ids, expected_weights = _gate_brute_force(cfg, x, gate_weight, bias)
     assert ids.dtype == np.int64 and weights.dtype == np.float64
     np.testing.assert_array_equal(ids, expected_ids)
     np.testing.assert_allclose(weights, expected_weights, rtol=1e-12)
     if cfg.n_group > 1:  # the group limit must bind somewhere, or this test proves little
         unlimited = dataclasses.replace(cfg, n_group=1, topk_group=1)
-        assert not np.array_equal(R.moe_gate(unlimited, x, gate_weight, bias)[0], ids)
+        assert not np.array_equal(layers.moe_gate(unlimited, x, gate_weight, bias)[0], ids)
 
 
 def test_moe_gate_greedy_ignores_bias_and_groups():
     cfg = dataclasses.replace(PRESETS["small"], topk_method="greedy")
     rng = np.random.default_rng(8)
     x, gate_weight = rng.standard_normal((10, cfg.hidden_size)), rng.standard_normal((8, cfg.hidden_size))
-    ids, _ = R.moe_gate(cfg, x, gate_weight, rng.standard_normal(8))
+    ids, _ = layers.moe_gate(cfg, x, gate_weight, rng.standard_normal(8))
     s = 1 / (1 + np.exp(-x @ gate_weight.T))
     np.testing.assert_array_equal(np.sort(ids, axis=1), np.sort(np.argsort(-s, axis=1)[:, :3], axis=1))
 
@@ -299,16 +300,16 @@ def test_moe_equals_dense_sum_over_chosen_experts(name):
     layer = cfg.num_hidden_layers - 1
     lw = R.layer_weights(weights, layer)
     x = np.random.default_rng(9).standard_normal((6, cfg.hidden_size))
-    ids, gate_w = R.moe_gate(cfg, x, lw["mlp.gate.weight"], lw["mlp.gate.e_score_correction_bias"])
+    ids, gate_w = layers.moe_gate(cfg, x, lw["mlp.gate.weight"], lw["mlp.gate.e_score_correction_bias"])
     expected = np.zeros_like(x)
     for i in range(len(x)):  # every expert on every token, then pick: a different order of work
         for e in range(cfg.n_routed_experts):
             p = f"model.layers.{layer}.mlp.experts.{e}."
-            y = R.swiglu(x[i:i + 1], weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"],
+            y = layers.swiglu(x[i:i + 1], weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"],
                          weights[p + "down_proj.weight"])[0]
             expected[i] += sum(gate_w[i, slot] for slot in range(ids.shape[1]) if ids[i, slot] == e) * y
         p = f"model.layers.{layer}.mlp.shared_experts."
-        expected[i] += R.swiglu(x[i:i + 1], weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"],
+        expected[i] += layers.swiglu(x[i:i + 1], weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"],
                                 weights[p + "down_proj.weight"])[0]
     np.testing.assert_allclose(R.moe(cfg, x, lw), expected, atol=1e-12)
 
@@ -336,9 +337,9 @@ def _hf_style_logits(cfg, weights, tokens):
             q = R.rms_norm(hx @ W[p + "self_attn.q_a_proj.weight"].T, W[p + "self_attn.q_a_layernorm.weight"], eps) \
                 @ W[p + "self_attn.q_b_proj.weight"].T
         q = q.reshape(s, h, n + r)
-        q = np.concatenate([q[..., :n], R.apply_rope(q[..., n:], cos, sin)], axis=-1)
+        q = np.concatenate([q[..., :n], layers.apply_rope(q[..., n:], cos, sin)], axis=-1)
         compressed = hx @ W[p + "self_attn.kv_a_proj_with_mqa.weight"].T
-        k_pe = R.apply_rope(compressed[:, c:], cos, sin)
+        k_pe = layers.apply_rope(compressed[:, c:], cos, sin)
         kv = (R.rms_norm(compressed[:, :c], W[p + "self_attn.kv_a_layernorm.weight"], eps)
               @ W[p + "self_attn.kv_b_proj.weight"].T).reshape(s, h, n + v)
         keys = np.concatenate([kv[..., :n], np.repeat(k_pe[:, None, :], h, axis=1)], axis=-1)
@@ -353,7 +354,7 @@ def _hf_style_logits(cfg, weights, tokens):
         if not cfg.is_moe_layer(layer):
             x = x + ffn(hx, p + "mlp.")
             continue
-        ids, gate_w = R.moe_gate(cfg, hx, W[p + "mlp.gate.weight"], W[p + "mlp.gate.e_score_correction_bias"])
+        ids, gate_w = layers.moe_gate(cfg, hx, W[p + "mlp.gate.weight"], W[p + "mlp.gate.e_score_correction_bias"])
         y = ffn(hx, p + "mlp.shared_experts.") if cfg.n_shared_experts else np.zeros_like(hx)
         for i in range(s):
             for slot in range(ids.shape[1]):

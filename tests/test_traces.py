@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +12,8 @@ import h5py
 import numpy as np
 import pytest
 
-from traces import (STEP_FIELDS, TraceError, TraceWriter, check, info_json, info_text, open_trace)
-from traces.schema import SCHEMA_VERSION, STAGES
+from kdspec.traces import STEP_FIELDS, TraceError, TraceWriter, check, info_json, info_text, open_trace
+from kdspec.traces.schema import SCHEMA_VERSION, STAGES
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "trace-format.md"
 MODEL_CONFIG = {"name": "tiny", "vocab_size": 64, "hidden_size": 32}

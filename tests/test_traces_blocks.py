@@ -8,10 +8,11 @@ import math
 import numpy as np
 import pytest
 
-import traces.reader as reader_module
+import kdspec.traces.reader as reader_module
+from kdspec.traces import open_trace
+from kdspec.traces.schema import COLUMNS, STAGES
+
 from test_traces import make_run, write_run
-from traces import open_trace
-from traces.schema import COLUMNS, STAGES
 
 NUM_STEPS = 61
 ARRAY_FIELDS = ("committed_tokens", "golden_tokens", "logit_max_abs_diff", "tree_tokens", "target_topk_logits",

@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
+
+from kdspec.traces import check, open_trace
 
 from test_traces import make_run
-from traces import check, open_trace
 
 TESTS = Path(__file__).resolve().parent
 STEPS, SEED = 200, 11

@@ -13,11 +13,11 @@ import textwrap
 
 import numpy as np
 import pytest
-
-from kdtree_tui.app import FOLLOW_INTERVAL, TraceApp, run_app
-from kdtree_tui.screens import GoToStepScreen, HelpScreen
-from kdtree_tui.widgets.step_list import StepList
 from test_tui_helpers import brute_flags, run_async, settle, small_records, small_trace, text_of
+
+from kdspec.kdtree_tui.app import FOLLOW_INTERVAL, TraceApp, run_app
+from kdspec.kdtree_tui.screens import GoToStepScreen, HelpScreen
+from kdspec.kdtree_tui.widgets.step_list import StepList
 
 SIZE = (100, 30)
 
@@ -334,8 +334,8 @@ def test_truncated_trace_prints_one_line(trace, tmp_path, capsys):
 
 @run_async
 async def test_damaged_step_shows_message_not_traceback(trace):
-    from traces.reader import open_trace
-    from traces.schema import TraceError
+    from kdspec.traces.reader import open_trace
+    from kdspec.traces.schema import TraceError
 
     class Damaged:
         def __init__(self, path):

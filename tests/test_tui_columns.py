@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kdtree_tui.benchmarks import tui as bench
-from kdtree_tui.session import TraceSession
 from test_tui_helpers import brute_flags, small_records, small_trace
+
+from kdspec.kdtree_tui import bench
+from kdspec.kdtree_tui.session import TraceSession
 
 FLAG_BITS = {"golden divergence": 1, "|dlogit| over threshold": 2, "tau below threshold": 4, "cache mismatch": 8}
 

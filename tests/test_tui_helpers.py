@@ -5,9 +5,8 @@ never from the app's own computations.
 """
 from __future__ import annotations
 
-
-from kdtree_tui.screenshots import stable_opener  # noqa: F401  (re-exported to the snapshot tests)
-from kdtree_tui.synthetic import synthetic_records, write_synthetic_trace
+from kdspec.kdtree_tui.screenshots import stable_opener  # noqa: F401  (re-exported to the snapshot tests)
+from kdspec.kdtree_tui.synthetic import synthetic_records, write_synthetic_trace
 
 # A small trace: 120 steps, block 8, budget 16 (anomalies every 29 steps).
 SMALL_STEPS = 120

@@ -8,12 +8,12 @@ from __future__ import annotations
 import re
 
 from rich.text import Text
+from test_tui_helpers import run_async, settle, small_trace
 from textual.app import App
 
-from kdtree_tui.app import TraceApp
-from kdtree_tui.widgets.panel import TextPanel
-from kdtree_tui.widgets.step_list import StepList
-from test_tui_helpers import run_async, settle, small_trace
+from kdspec.kdtree_tui.app import TraceApp
+from kdspec.kdtree_tui.widgets.panel import TextPanel
+from kdspec.kdtree_tui.widgets.step_list import StepList
 
 SIZE = (100, 30)
 

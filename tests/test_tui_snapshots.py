@@ -6,9 +6,9 @@ zeroed by StableReader, so the screens are byte-for-byte reproducible.
 from __future__ import annotations
 
 import pytest
-
-from kdtree_tui.app import TraceApp
 from test_tui_helpers import settle, small_trace, stable_opener
+
+from kdspec.kdtree_tui.app import TraceApp
 
 SIZE = (100, 30)
 

@@ -8,11 +8,11 @@
 
 docs/trace-format.md documents every attribute and dataset.
 """
-from .reader import StepRecord, TraceReader, open_trace
-from .report import check, info_json, info_text
-from .schema import SCHEMA_VERSION, STEP_FIELDS, TraceDims, TraceError
-from .summary import TraceSummary, summarize
-from .writer import TraceWriter
+from kdspec.traces.reader import StepRecord, TraceReader, open_trace
+from kdspec.traces.report import check, info_json, info_text
+from kdspec.traces.schema import SCHEMA_VERSION, STEP_FIELDS, TraceDims, TraceError
+from kdspec.traces.summary import TraceSummary, summarize
+from kdspec.traces.writer import TraceWriter
 
 __all__ = ["SCHEMA_VERSION", "STEP_FIELDS", "StepRecord", "TraceDims", "TraceError", "TraceReader",
            "TraceSummary", "TraceWriter", "check", "info_json", "info_text", "open_trace", "summarize"]

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional
 import h5py
 import numpy as np
 
-from .schema import (COLUMNS, FORMAT_NAME, SCHEMA_VERSION, STEP_FIELDS, TraceDims, TraceError)
+from kdspec.traces.schema import COLUMNS, FORMAT_NAME, SCHEMA_VERSION, STEP_FIELDS, TraceDims, TraceError
 
 _JSON_ATTRS = ("model_config", "decode_config", "versions")
 # Rows per HDF5 read in column()/field()/fields(). HDF5 converts a compound field selection through a
@@ -320,7 +320,7 @@ class TraceReader:
 
     def summary(self):
         """TraceSummary of the steps read so far (traces.summary)."""
-        from .summary import summarize_trace
+        from kdspec.traces.summary import summarize_trace
         return summarize_trace(self)
 
     # -- lifetime -------------------------------------------------------------------------------------

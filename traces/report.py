@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from .reader import TraceReader
-from .summary import generated_tokens
+from kdspec.traces.reader import TraceReader
+from kdspec.traces.summary import generated_tokens
 
 
 def _fmt(x: float, spec: str = ".3g") -> str:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from .schema import TIME_COLUMNS
+from kdspec.traces.schema import TIME_COLUMNS
 
 
 @dataclass

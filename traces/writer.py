@@ -19,8 +19,16 @@ from typing import Any, Mapping, Optional, Sequence
 import h5py
 import numpy as np
 
-from .schema import (DERIVED_FIELDS, FIELDS_BY_NAME, FORMAT_NAME, SCHEMA_VERSION, STAGES, TARGET_TOPK,
-                     TraceDims, TraceError)
+from kdspec.traces.schema import (
+    DERIVED_FIELDS,
+    FIELDS_BY_NAME,
+    FORMAT_NAME,
+    SCHEMA_VERSION,
+    STAGES,
+    TARGET_TOPK,
+    TraceDims,
+    TraceError,
+)
 
 MODES = ("ar", "ddtree")
 COMPRESSIONS = ("gzip", "lzf", None)

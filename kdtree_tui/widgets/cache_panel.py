@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from rich.text import Text
 
-from .panel import TextPanel
+from kdspec.kdtree_tui.widgets.panel import TextPanel
 
 
 def render_cache(record, colours: dict, cache_threshold: float) -> Text:

@@ -10,9 +10,9 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widgets import Static
 
-from ..compare import Alignment, align
-from ..palette import palette
-from ..session import TraceSession
+from kdspec.kdtree_tui.compare import Alignment, align
+from kdspec.kdtree_tui.palette import palette
+from kdspec.kdtree_tui.session import TraceSession
 
 
 class AlignedRows(ScrollView, can_focus=False):

@@ -8,7 +8,7 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Sparkline, Static
 
-from ..session import TraceSession, format_seconds, tokens_text
+from kdspec.kdtree_tui.session import TraceSession, format_seconds, tokens_text
 
 OUTPUT_WINDOW = 300  # steps of output text shown either side of the current step
 BAR = 24

@@ -18,8 +18,8 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ..palette import palette
-from ..session import CACHE, DIVERGED, DLOGIT, LOW_TAU, TraceSession
+from kdspec.kdtree_tui.palette import palette
+from kdspec.kdtree_tui.session import CACHE, DIVERGED, DLOGIT, LOW_TAU, TraceSession
 
 FLAG_MARKS = ((DIVERGED, "x", "bad"), (DLOGIT, "d", "warn"), (LOW_TAU, "s", "warn"), (CACHE, "c", "bad"))
 

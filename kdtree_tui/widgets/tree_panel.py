@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 from rich.text import Text
 
-from ..session import token_text
-from .panel import TextPanel
+from kdspec.kdtree_tui.session import token_text
+from kdspec.kdtree_tui.widgets.panel import TextPanel
 
 
 def first_mismatch(record) -> int | None:

@@ -14,7 +14,7 @@ Kimi K2 dims: h=64 heads, c=512 latent, r=64 rope; a random tree mask over the s
    the default split count and 132 splits (is default_num_splits right?).
 3. registers / local memory (spills) / shared memory per config; a table last, then the best config per point
    and for the two defaults: make them DEFAULT_CONFIG (s >= FEW_TOKENS) and FEW_TOKENS_CONFIG (s < FEW_TOKENS)
-   in numba_kernels/mla_attention.py.
+   in numba_kernels/attention/simt.py.
 """
 import math
 import os
@@ -27,18 +27,18 @@ if "--sim" in sys.argv[1:]:  # before numba is imported: the simulator is chosen
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from kdtree_tui.benchmarks.attention import attention_flops, random_tree_visibility  # noqa: E402
-from kdtree_tui.benchmarks.common import ceilings, time_gpu, torch_cuda  # noqa: E402
-from numba_kernels import mla_attention as mla  # noqa: E402
-from numba_kernels.mla_attention import TileConfig  # noqa: E402
-from numba_kernels.warp import ON_SIMULATOR  # noqa: E402
+from kdspec.engine.bench.attention import attention_flops, random_tree_visibility  # noqa: E402
+from kdspec.engine.bench.common import ceilings, time_gpu, torch_cuda  # noqa: E402
+from kdspec.numba_kernels.attention import common, dispatch, simt  # noqa: E402
+from kdspec.numba_kernels.attention.simt import TileConfig  # noqa: E402
+from kdspec.numba_kernels.runtime import ON_SIMULATOR
 from tools.sweeps.report import kernel_resources, log  # noqa: E402
 
 if ON_SIMULATOR:
     HEADS, LATENT, ROPE = 2, 16, 4
     CHECK_POINTS = [(9, 1), (9, 6)]
     TIME_POINTS = [(9, 4)]
-    CONFIGS = {"sim-default": mla.DEFAULT_CONFIG,
+    CONFIGS = {"sim-default": simt.DEFAULT_CONFIG,
                "sim-b": TileConfig(rows=4, keys=8, d_chunk=2, v_chunk=4, s_rows=2, s_keys=2, o_cols=4, threads=8)}
     WARMUP, REPEATS = 1, 2
 else:
@@ -65,8 +65,8 @@ AUTO = "auto"  # mla_attention without config: the kernel attention_path picks (
 
 def role(config: TileConfig) -> str:
     """Which module default a config is (a suffix for its name)."""
-    roles = [name for name, value in (("DEFAULT_CONFIG", mla.DEFAULT_CONFIG),
-                                      ("FEW_TOKENS_CONFIG", mla.FEW_TOKENS_CONFIG)) if value == config]
+    roles = [name for name, value in (("DEFAULT_CONFIG", simt.DEFAULT_CONFIG),
+                                      ("FEW_TOKENS_CONFIG", simt.FEW_TOKENS_CONFIG)) if value == config]
     return f" (= {' = '.join(roles)})" if roles else ""
 
 
@@ -93,7 +93,7 @@ def check(config, prefix: int, tokens: int, num_splits, rng) -> str:
     cache = rng.standard_normal((prefix + tokens + 16, LATENT + ROPE)).astype(np.float32)
     cache[prefix + tokens:] = np.nan  # rows past the in-flight ones must never be read
     out = cuda.to_device(np.full((tokens, HEADS, LATENT), np.nan, np.float32))
-    mla.mla_attention(q_lat, q_pe, cache, prefix, mla.pack_visibility(visible), SCALE, out=out,
+    dispatch.mla_attention(q_lat, q_pe, cache, prefix, common.pack_visibility(visible), SCALE, out=out,
                       num_splits=num_splits, config=config)
     got = out.copy_to_host().reshape(tokens * HEADS, LATENT)
     if not np.isfinite(got).all():
@@ -107,7 +107,7 @@ def check(config, prefix: int, tokens: int, num_splits, rng) -> str:
 
 def resources(config: TileConfig) -> str:
     """'regs R, local L B, shared S B' of the config's kernel (compiled by the checks; '-' on the simulator)."""
-    return kernel_resources(mla.attention_kernel(config), ON_SIMULATOR)
+    return kernel_resources(simt.attention_kernel(config), ON_SIMULATOR)
 
 
 def torch_peer(torch, q_lat, q_pe, layer, visible, prefix, tokens):
@@ -159,7 +159,7 @@ def main() -> int:
     seconds_at = {}  # ((P, s), config name) -> seconds at the default split count
     for prefix, tokens in TIME_POINTS:
         visible = random_tree_visibility(tokens, rng)
-        mask = cuda.to_device(mla.pack_visibility(visible))
+        mask = cuda.to_device(common.pack_visibility(visible))
         q_lat = cuda.to_device(rng.standard_normal((tokens, HEADS, LATENT)).astype(np.float32))
         q_pe = cuda.to_device(rng.standard_normal((tokens, HEADS, ROPE)).astype(np.float32))
         out = cuda.device_array((tokens, HEADS, LATENT), np.float32)
@@ -170,12 +170,12 @@ def main() -> int:
             if name in broken:
                 continue  # a wrong config's speed means nothing
             def call(splits=None, config=config):
-                return mla.mla_attention(q_lat, q_pe, layer, prefix, mask, SCALE, out=out, config=config,
+                return dispatch.mla_attention(q_lat, q_pe, layer, prefix, mask, SCALE, out=out, config=config,
                                          num_splits=splits)
             seconds_at[(prefix, tokens), name] = results[name] = time_gpu(call, WARMUP, REPEATS)
             if tokens <= 8 and not ON_SIMULATOR:  # small s: is the default split count right?
-                chosen = config or (mla.FEW_TOKENS_CONFIG if tokens < mla.FEW_TOKENS else mla.DEFAULT_CONFIG)
-                splits = mla.default_num_splits(tokens * HEADS, prefix + tokens, chosen)
+                chosen = config or (simt.FEW_TOKENS_CONFIG if tokens < common.FEW_TOKENS else simt.DEFAULT_CONFIG)
+                splits = simt.default_num_splits(tokens * HEADS, prefix + tokens, chosen)
                 results[name + f" (default splits={splits})"] = results.pop(name)
                 for forced in sorted({max(1, splits // 2), splits * 2, 132} - {splits}):
                     results[f"{name} splits={forced}"] = time_gpu(lambda: call(forced), WARMUP, REPEATS)
@@ -204,7 +204,7 @@ def main() -> int:
             log(f"best P={point[0]} s={point[1]}: {best}{role(CONFIGS[best])} {timed[best] * 1e3:.3f} ms "
                 f"(auto {auto * 1e3:.3f} ms)")
     for label, few in (("FEW_TOKENS_CONFIG (s < FEW_TOKENS)", True), ("DEFAULT_CONFIG (s >= FEW_TOKENS)", False)):
-        points = [p for p in TIME_POINTS if (p[1] < mla.FEW_TOKENS) == few]
+        points = [p for p in TIME_POINTS if (p[1] < common.FEW_TOKENS) == few]
         complete = [n for n in CONFIGS if points and all((p, n) in seconds_at for p in points)]
         if complete:  # geometric mean of the times over the points that default serves
             mean = {n: math.exp(np.mean([math.log(seconds_at[p, n]) for p in points])) for n in complete}

@@ -27,9 +27,9 @@ if "--sim" in sys.argv[1:]:  # before numba is imported: the simulator is chosen
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from kdtree_tui.benchmarks.common import ceilings, time_gpu  # noqa: E402
-from numba_kernels import moe_experts as moe  # noqa: E402
-from numba_kernels.warp import ON_SIMULATOR  # noqa: E402
+from kdspec.engine.bench.common import ceilings, time_gpu  # noqa: E402
+from kdspec.numba_kernels.moe import experts as moe  # noqa: E402
+from kdspec.numba_kernels.runtime import ON_SIMULATOR
 from tools.sweeps.report import kernel_resources, log  # noqa: E402
 
 C = moe.ExpertsConfig

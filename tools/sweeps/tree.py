@@ -26,10 +26,10 @@ if "--sim" in sys.argv[1:]:  # before numba is imported: the simulator is chosen
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from engine import ddtree_ref  # noqa: E402
-from kdtree_tui.benchmarks.tree import random_drafts  # noqa: E402
-from numba_kernels import tree_build  # noqa: E402
-from numba_kernels.warp import ON_SIMULATOR  # noqa: E402
+from kdspec.engine.bench.tree import random_drafts  # noqa: E402
+from kdspec.engine.golden import ddtree as ddtree_ref  # noqa: E402
+from kdspec.numba_kernels.runtime import ON_SIMULATOR
+from kdspec.numba_kernels.tree import build as tree_build  # noqa: E402
 from tools.sweeps.report import kernel_resources, log  # noqa: E402
 
 REQUESTS, DEPTHS = (2, 3) if ON_SIMULATOR else (64, 15)

@@ -1,0 +1,148 @@
+"""The engine's Python API: ``load(model, backend, seed) -> Engine``; ``Engine.generate`` and ``Engine.golden``.
+
+    engine = load("tiny", backend="reference")
+    result = engine.generate("hello", 24, mode="ddtree", drafter="noisy:0.6", on_step=writer.write_step)
+
+Backends (docs/architecture.md, "Backends"): "reference" runs the float64 golden model itself as the engine; "sim" and
+"cuda" run the Numba device model (engine/device_model.py); "auto" takes the best available one.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import numpy as np
+
+from kdspec.engine.decode.drafters import parse_drafter
+from kdspec.engine.decode.loop import GenerateResult, check_generate_args, generate
+from kdspec.engine.golden.model import GoldenRun, ReferenceModel, decode
+from kdspec.engine.model import tokenizer
+from kdspec.engine.model.checkpoint import load_model
+from kdspec.engine.model.config import ModelConfig
+
+BACKENDS = ("reference", "sim", "cuda", "auto")
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend asked for cannot run here; the message says why and what to use instead."""
+
+
+def _device_model(backend: str, cfg: ModelConfig, weights: dict, weight_dtype: str = "float32"):
+    """The Numba device model on ``cuda`` (needs a GPU and torch) or ``sim`` (the CUDA simulator)."""
+    from numba import cuda
+    from numba.cuda import config as cuda_config
+
+    simulated = bool(cuda_config.ENABLE_CUDASIM)
+    if backend == "sim" and not simulated:
+        raise BackendUnavailable("backend 'sim' needs NUMBA_ENABLE_CUDASIM=1 set before numba is imported")
+    if backend == "cuda":
+        if simulated or not cuda.is_available():
+            raise BackendUnavailable("backend 'cuda' needs a CUDA GPU (none is available here)")
+        try:
+            import torch  # noqa: F401  (cuBLAS for the dense projections)
+        except ImportError:
+            raise BackendUnavailable("backend 'cuda' needs torch for cuBLAS: pip install 'kdspec[gpu]'") from None
+    from kdspec.engine.device.model import DeviceModel
+    return DeviceModel(cfg, weights, backend, weight_dtype)
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class Engine:
+    """A loaded model ready to decode. ``cfg`` the ModelConfig, ``backend`` the one in use, ``model`` the
+    object with the model protocol, ``reference`` the float64 golden over the same weights."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, backend: str, model, seed: int, source: str):
+        self.cfg, self.weights, self.backend, self.model, self.seed, self.source = cfg, weights, backend, model, seed, source
+        self._reference = model if isinstance(model, ReferenceModel) else None
+        self.tree_ops = None
+        if backend in ("sim", "cuda"):
+            from kdspec.engine.device.tree_ops import DeviceTreeOps
+            self.tree_ops = DeviceTreeOps()
+
+    @property
+    def reference(self) -> ReferenceModel:
+        """The float64 golden over the same weights. Where memory allows (a float64 copy under half the RAM),
+        the weights are widened once instead of per use: a k2-mini golden token then takes a fraction of a
+        second instead of seconds."""
+        if self._reference is None:
+            weights = self.weights
+            if 8 * sum(w.size for w in weights.values()) < _physical_memory() // 2:
+                weights = {name: w.astype(np.float64) for name, w in weights.items()}
+            self._reference = ReferenceModel(self.cfg, weights)
+        return self._reference
+
+    def encode_prompt(self, prompt: Union[str, np.ndarray, list]) -> np.ndarray:
+        """Text (byte-level tokenizer) or token ids -> int64 [P0]. Ids are checked by generate()."""
+        return np.asarray(tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+
+    def golden(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: Optional[int] = None) -> GoldenRun:
+        """The float64 golden AR run of ``max_new_tokens`` after ``prompt`` (engine.reference.decode)."""
+        seed = self.seed if seed is None else seed
+        return decode(self.reference, self.encode_prompt(prompt), max_new_tokens, temperature, seed)
+
+    def generate(self, prompt, max_new_tokens: int, mode: str = "ar", drafter=None, block_size: int = 8,
+                 budget: int = 7, topk: Optional[int] = None, temperature: float = 0.0, seed: Optional[int] = None,
+                 golden: Union[None, bool, GoldenRun] = None, on_step: Optional[Callable[[dict], None]] = None,
+                 record_logits: bool = False) -> GenerateResult:
+        """Decode with engine.decode.generate (arguments as there).
+
+        drafter: a Drafter object, or "oracle" / "noisy:P", built over the golden run at the same temperature
+        and seed (computed here, max_new_tokens + block_size tokens so the last step's overshoot is covered).
+        golden: a GoldenRun, True (compute it), False (never), None (use it when the drafter needed one).
+        The result's ``meta`` gains backend, model, drafter and the golden run (key "golden").
+        """
+        seed = self.seed if seed is None else seed
+        ids = self.encode_prompt(prompt)
+        spec = parse_drafter(drafter) if isinstance(drafter, str) else None
+        if spec is not None and mode != "ddtree":
+            raise ValueError(f"drafter {drafter!r} is only used in mode 'ddtree', got mode {mode!r}")
+        run = golden if isinstance(golden, GoldenRun) else None
+        if run is None and (golden is True or spec is not None):
+            # Validate first, so a bad argument never waits for a golden run.
+            check_generate_args(self.cfg, ids, max_new_tokens, mode, block_size, budget, topk, temperature, seed)
+            reach = max_new_tokens + (block_size if mode == "ddtree" else 0)
+            run = self.golden(ids, min(reach, self.cfg.max_position_embeddings - len(ids)), temperature, seed)
+        golden = None if golden is False else run
+        if spec is not None:
+            k = min(budget, self.cfg.vocab_size) if topk is None else topk
+            drafter = spec.build(np.concatenate([np.asarray(ids, dtype=np.int64), run.tokens]), block_size - 1, k,
+                                 self.cfg.vocab_size, seed)
+        result = generate(self.model, ids, max_new_tokens, mode=mode, drafter=drafter, block_size=block_size,
+                          budget=budget, topk=topk, temperature=temperature, seed=seed, golden=golden,
+                          on_step=on_step, tree_ops=self.tree_ops,
+                          record_logits=record_logits)
+        result.meta.update(backend=self.backend, model=self.source, drafter=str(spec) if spec else
+                           (None if drafter is None else type(drafter).__name__), golden=golden)
+        return result
+
+
+def load(model: Union[str, Path] = "tiny", backend: str = "reference", seed: int = 0,
+         weight_dtype: str = "float32") -> Engine:
+    """A preset name (seeded random weights) or an HF checkpoint directory -> Engine on ``backend``.
+
+    "auto" takes the best backend available: cuda (a GPU with torch), else sim (when the CUDA simulator is on),
+    else reference. ``weight_dtype`` "bfloat16" stores the device model's weights in bf16 (fp32 arithmetic).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    cfg, weights = load_model(model, seed)
+    candidates = ("cuda", "sim", "reference") if backend == "auto" else (backend,)
+    for name in candidates:
+        try:
+            device_model = (ReferenceModel(cfg, weights) if name == "reference"
+                            else _device_model(name, cfg, weights, weight_dtype))
+        except BackendUnavailable:
+            if name == candidates[-1]:
+                raise
+            continue
+        return Engine(cfg, weights, name, device_model, seed, str(model))
+    raise AssertionError("unreachable")

@@ -1,0 +1,173 @@
+"""Drafters: for depths 1..L after the bonus token, the top-K candidate tokens and their log-probs.
+
+The interface (docs/ddtree.md, step 1): ``draft(committed_tokens, bonus_token, position)`` with the bonus
+token b as the root at absolute position P = ``position``; row d-1 of the result predicts position P+d.
+Returns (ids int32 [L, K], logprobs float32 [L, K]), each row sorted descending by log-prob, ids distinct
+within a row.
+
+Oracle drafters know the golden sequence by absolute position (prompt followed by the golden continuation)
+and are how the DDTree loop is tested without a trained drafter: the oracle puts the golden token at rank 0
+(every step accepts the whole chain), the noisy oracle keeps it there only with probability p per position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+# Log-probs past the end of the golden sequence: far below every real candidate, so such nodes pop last.
+SENTINEL_LOGPROB = -40.0
+# Oracle distribution at one depth: the golden token gets ORACLE_TOP_PROB, the distractors share the rest
+# geometrically (each half the previous), so a full chain of L <= 100 rank-0 nodes outscores any sibling.
+ORACLE_TOP_PROB = 0.999
+# Keeps the noisy oracle's decisions independent of the sampling noise drawn with the same seed.
+NOISE_SALT = 0x6E6F697379  # "noisy"
+
+
+class Drafter(Protocol):
+    """What the decode loop needs from a drafter."""
+
+    num_depths: int  # L = block_size - 1
+    top_k: int       # K
+
+    def draft(self, committed_tokens: np.ndarray, bonus_token: int, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """committed_tokens int [P] (prompt + tokens in the cache), bonus token at ``position`` = P ->
+        (ids int32 [L, K], logprobs float32 [L, K] sorted descending); row d-1 predicts position P+d."""
+        ...
+
+
+def _oracle_logprobs(top_k: int) -> np.ndarray:
+    """float32 [K]: log ORACLE_TOP_PROB, then the remaining mass halved rank after rank (strictly decreasing)."""
+    rest = 0.5 ** np.arange(top_k - 1, dtype=np.float64)
+    rest = (1.0 - ORACLE_TOP_PROB) * rest / max(rest.sum(), 1.0)
+    return np.log(np.concatenate([[ORACLE_TOP_PROB], rest])).astype(np.float32)
+
+
+def _unsure_logprobs(top_k: int) -> np.ndarray:
+    """float32 [K]: probabilities halving rank after rank (1/2, 1/4, ...), normalised: a drafter unsure of
+    the position, so the tree spends budget on siblings there."""
+    probs = 0.5 ** np.arange(1, top_k + 1, dtype=np.float64)
+    return np.log(probs / probs.sum()).astype(np.float32)
+
+
+class OracleDrafter:
+    """Golden token at rank 0 at every depth; distinct distractors (golden+1, golden+2, ... mod V) below it.
+
+    Args:
+        golden_tokens: int [T], the golden token at every absolute position 0..T-1 (prompt then continuation).
+        num_depths: L. top_k: K (<= vocab). vocab: V.
+    Past the end of the golden sequence a depth holds tokens 0..K-1 at SENTINEL_LOGPROB - rank.
+    """
+
+    def __init__(self, golden_tokens: Sequence[int], num_depths: int, top_k: int, vocab: int):
+        golden = np.asarray(golden_tokens, dtype=np.int64)
+        if golden.ndim != 1:
+            raise ValueError(f"golden_tokens must be a 1-D sequence of token ids, got shape {golden.shape}")
+        if num_depths < 0:
+            raise ValueError(f"num_depths must be >= 0, got {num_depths}")
+        if not 1 <= top_k <= vocab:
+            raise ValueError(f"top_k must be in 1..vocab ({vocab}), got {top_k}")
+        if golden.size and (golden.min() < 0 or golden.max() >= vocab):
+            raise ValueError(f"golden_tokens must be in 0..{vocab - 1}, got {golden.min()}..{golden.max()}")
+        self.golden = golden
+        self.num_depths, self.top_k, self.vocab = int(num_depths), int(top_k), int(vocab)
+        self._logprobs = _oracle_logprobs(self.top_k)
+
+    def _row(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32 [K], logprobs float32 [K]) predicting absolute ``position``."""
+        if position >= len(self.golden):
+            ids = np.arange(self.top_k, dtype=np.int32)
+            return ids, (SENTINEL_LOGPROB - np.arange(self.top_k)).astype(np.float32)
+        golden = int(self.golden[position])
+        ids = (golden + np.arange(self.top_k)) % self.vocab
+        return ids.astype(np.int32), self._logprobs.copy()
+
+    def draft(self, committed_tokens, bonus_token: int, position: int) -> tuple[np.ndarray, np.ndarray]:
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        ids = np.empty((self.num_depths, self.top_k), dtype=np.int32)
+        logprobs = np.empty((self.num_depths, self.top_k), dtype=np.float32)
+        for depth in range(1, self.num_depths + 1):
+            ids[depth - 1], logprobs[depth - 1] = self._row(position + depth)
+        return ids, logprobs
+
+
+class NoisyOracleDrafter(OracleDrafter):
+    """The oracle with misses: at each absolute position, with probability ``p`` the golden token is at rank 0;
+    otherwise a distractor takes rank 0 and the golden token is moved to a lower rank or dropped (even odds); a
+    moved token lands at rank r with probability 2^-r (capped at K-1), as a real drafter's second guesses
+    concentrate near the top, so a wider tree recovers more of them,
+    and the row's log-probs are flatter (``_unsure_logprobs``): like a real drafter, it is less sure where it is
+    wrong, so DDTree's siblings can recover a moved golden token.
+
+    The decision depends only on (seed, absolute position), so every step that drafts a position sees the same
+    row and a run is reproducible.
+    """
+
+    def __init__(self, golden_tokens: Sequence[int], p: float, seed: int, num_depths: int, top_k: int, vocab: int):
+        super().__init__(golden_tokens, num_depths, top_k, vocab)
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"noisy oracle hit rate p must be in [0, 1], got {p}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.p, self.seed = float(p), int(seed)
+
+    def golden_rank(self, position: int) -> int:
+        """Rank of the golden token at absolute ``position`` (0 = hit), -1 when dropped."""
+        rng = np.random.default_rng([self.seed, NOISE_SALT, position])
+        hit, drop, rank = rng.random(), rng.random(), min(rng.geometric(0.5), max(self.top_k - 1, 1))
+        if hit < self.p or self.vocab == 1:
+            return 0
+        # Dropping needs a spare token to fill the row (K < V); moving needs a rank below 0 (K > 1).
+        if self.top_k == 1 or (drop < 0.5 and self.top_k < self.vocab):
+            return -1
+        return int(rank)
+
+    def _row(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        ids, logprobs = super()._row(position)
+        if position >= len(self.golden):
+            return ids, logprobs
+        rank = self.golden_rank(position)
+        if rank == 0:
+            return ids, logprobs
+        golden = int(self.golden[position])
+        # K+1 candidates: distractors golden+1 .. golden+K (mod V; distinct from golden only when K < V).
+        distractors = [int(t) for t in (golden + 1 + np.arange(self.top_k)) % self.vocab if t != golden]
+        row = distractors[:self.top_k] if rank < 0 else distractors[:rank] + [golden] + distractors[rank:]
+        return np.asarray(row[:self.top_k], dtype=np.int32), _unsure_logprobs(self.top_k)
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A parsed drafter name: ``kind`` "oracle" | "noisy", ``p`` the noisy hit rate."""
+
+    kind: str
+    p: float = 1.0
+
+    def build(self, golden_tokens: Sequence[int], num_depths: int, top_k: int, vocab: int, seed: int = 0):
+        """The drafter over the golden sequence by absolute position (prompt + golden continuation)."""
+        if self.kind == "oracle":
+            return OracleDrafter(golden_tokens, num_depths, top_k, vocab)
+        return NoisyOracleDrafter(golden_tokens, self.p, seed, num_depths, top_k, vocab)
+
+    def __str__(self) -> str:
+        return "oracle" if self.kind == "oracle" else f"noisy:{self.p:g}"
+
+
+def parse_drafter(spec: str) -> DrafterSpec:
+    """"oracle" | "noisy:P" (P in [0, 1], the per-position rank-0 hit rate) -> DrafterSpec."""
+    if not isinstance(spec, str):
+        raise ValueError(f"drafter must be a string like 'oracle' or 'noisy:0.6', got {spec!r}")
+    text = spec.strip().lower()
+    if text == "oracle":
+        return DrafterSpec("oracle")
+    if text.startswith("noisy:"):
+        try:
+            p = float(text.split(":", 1)[1])
+        except ValueError:
+            p = float("nan")
+        if not 0.0 <= p <= 1.0:  # also rejects NaN
+            raise ValueError(f"drafter {spec!r}: noisy hit rate must be a number in [0, 1]")
+        return DrafterSpec("noisy", p)
+    raise ValueError(f"unknown drafter {spec!r}: expected 'oracle' or 'noisy:P' with P in [0, 1]")

@@ -1,0 +1,1 @@
+"""The device model: the forward on the Numba kernels, its backend ops, cache, logits, tree ops and CUDA graphs."""

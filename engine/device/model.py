@@ -1,0 +1,251 @@
+"""The device model: the whole forward on the Numba kernels (backend ``cuda`` on a GPU, ``sim`` under the CUDA
+simulator), implementing the model protocol of docs/architecture.md.
+
+Dense projections (q/kv/o projections, the per-head absorb products, the dense and shared-expert GEMMs, the
+router GEMM and the LM head) go through a vendor BLAS: cuBLAS via torch on ``cuda``, numpy's BLAS on host
+copies under ``sim``. Everything else is Numba: embedding, RMSNorm (residual add fused), RoPE, the KV cache
+write, MLA attention, the MoE router, the grouped routed experts, SiLU-mul, compaction (tree_ops.py: argmax /
+sampling / tree build / accept). ops.py holds the two backends' dense products, cache.py the KV cache,
+logits.py the logits left on the device.
+
+Shapes (DeepSeek letters): s tokens, h heads, d hidden, c kv_lora_rank, n nope, r rope, v v_head_dim,
+e experts, f moe_intermediate_size. Activations are float32; the cache is one array [layers, capacity, c + r].
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from kdspec.engine.device.cache import DeviceCache
+from kdspec.engine.device.logits import DeviceLogits
+from kdspec.engine.device.ops import SimOps, TorchOps
+from kdspec.engine.golden.model import rope_cos_sin, split_kv_b
+from kdspec.engine.model.config import ModelConfig
+from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
+from kdspec.engine.model.weights import check_weights
+from kdspec.numba_kernels import embedding, kv_write, rmsnorm, rope
+from kdspec.numba_kernels.attention.common import causal_visibility, pack_visibility
+from kdspec.numba_kernels.attention.dispatch import mla_attention
+from kdspec.numba_kernels.moe import experts as moe_experts
+from kdspec.numba_kernels.moe import router as moe_router
+from kdspec.numba_kernels.moe import swiglu
+from kdspec.numba_kernels.tree import compact as kv_compact
+
+MAX_CAUSAL_MASKS = 16  # token counts whose causal mask stays on the device
+MAX_GRAPH_SHAPES = 8  # token counts with captured graphs (AR: 1; DDTree: the verify size; a few cut trees)
+
+
+class DeviceModel:
+    """The model protocol on the Numba kernels. ``backend`` "cuda" (torch + a GPU) or "sim" (simulator);
+    ``graphs``: on cuda, replay captured CUDA graphs of the layer stack (engine/cuda_graphs.py)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str, weight_dtype: str = "float32",
+                 graphs: bool = True):
+        if backend not in ("cuda", "sim"):
+            raise ValueError(f"device backend must be 'cuda' or 'sim', got {backend!r}")
+        if weight_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"weight_dtype must be 'float32' or 'bfloat16', got {weight_dtype!r}")
+        check_weights(cfg, weights)
+        self.cfg, self.backend, self.weight_dtype = cfg, backend, weight_dtype
+        self.ops = SimOps() if backend == "sim" else TorchOps(weight_dtype)
+        self.max_cache_rows = cfg.max_position_embeddings
+        ops, bf16 = self.ops, weight_dtype == "bfloat16"
+        cos, sin = rope_cos_sin(cfg, np.arange(cfg.max_position_embeddings, dtype=np.int64))
+        self.rope = rope.RopeTable(ops.upload(cos.astype(np.float32)), ops.upload(sin.astype(np.float32)))
+        table = weights["model.embed_tokens.weight"]
+        self.embed = ops.upload(float32_to_bf16_bits(table) if bf16 else table)
+        self.final_norm = ops.upload(weights["model.norm.weight"])
+        self.lm_head = ops.dense_weight(weights["model.embed_tokens.weight" if cfg.tie_word_embeddings
+                                                else "lm_head.weight"])
+        self.layers = [self._load_layer(weights, i) for i in range(cfg.num_hidden_layers)]
+        self.use_graphs = backend == "cuda" and graphs
+        self._graphs, self._shapes_seen = {}, {}
+        self._causal_masks = {}  # s -> device mask; an AR step must not pay an upload (alloc + synced copy)
+
+    def _load_layer(self, weights, i: int) -> dict:
+        cfg, ops = self.cfg, self.ops
+        p = f"model.layers.{i}."
+        w = lambda name: weights[p + name]  # noqa: E731
+        layer = dict(input_norm=ops.upload(w("input_layernorm.weight")),
+                     post_norm=ops.upload(w("post_attention_layernorm.weight")),
+                     kv_a=ops.dense_weight(w("self_attn.kv_a_proj_with_mqa.weight")),
+                     kv_norm=ops.upload(w("self_attn.kv_a_layernorm.weight")),
+                     o_proj=ops.dense_weight(w("self_attn.o_proj.weight")))
+        if cfg.q_lora_rank is None:
+            layer["q_proj"] = ops.dense_weight(w("self_attn.q_proj.weight"))
+        else:
+            layer["q_a"] = ops.dense_weight(w("self_attn.q_a_proj.weight"))
+            layer["q_norm"] = ops.upload(w("self_attn.q_a_layernorm.weight"))
+            layer["q_b"] = ops.dense_weight(w("self_attn.q_b_proj.weight"))
+        w_uk, w_uv = split_kv_b(cfg, w("self_attn.kv_b_proj.weight"))  # [h, n, c], [h, v, c]
+        layer["w_uk"] = ops.dense_weight(np.asarray(w_uk, dtype=np.float32))
+        layer["w_uv"] = ops.dense_weight(np.asarray(w_uv, dtype=np.float32))
+        if cfg.is_moe_layer(i):
+            bf16 = self.weight_dtype == "bfloat16"
+            stack = lambda names: np.stack([np.concatenate([w(f"mlp.experts.{e}.{n}.weight") for n in names])  # noqa: E731
+                                            for e in range(cfg.n_routed_experts)])
+            gate_up, down = stack(("gate_proj", "up_proj")), stack(("down_proj",))
+            layer["experts_gate_up"] = ops.upload(float32_to_bf16_bits(gate_up) if bf16 else gate_up)  # [e, 2f, d]
+            layer["experts_down"] = ops.upload(float32_to_bf16_bits(down) if bf16 else down)  # [e, d, f]
+            layer["router"] = ops.dense_weight(w("mlp.gate.weight"))
+            layer["router_bias"] = ops.upload(w("mlp.gate.e_score_correction_bias"))
+            if cfg.n_shared_experts:
+                layer["ffn_gate_up"] = ops.dense_weight(np.concatenate([w("mlp.shared_experts.gate_proj.weight"),
+                                                                        w("mlp.shared_experts.up_proj.weight")]))
+                layer["ffn_down"] = ops.dense_weight(w("mlp.shared_experts.down_proj.weight"))
+        else:
+            layer["ffn_gate_up"] = ops.dense_weight(np.concatenate([w("mlp.gate_proj.weight"),
+                                                                    w("mlp.up_proj.weight")]))
+            layer["ffn_down"] = ops.dense_weight(w("mlp.down_proj.weight"))
+        return layer
+
+    # -- model protocol ------------------------------------------------------------------------------
+    def new_cache(self, capacity: int) -> DeviceCache:
+        if not isinstance(capacity, (int, np.integer)) or not 1 <= capacity <= self.max_cache_rows:
+            raise ValueError(f"cache capacity must be in 1..{self.max_cache_rows}, got {capacity!r}")
+        return DeviceCache(self.cfg, int(capacity))
+
+    def forward(self, cache: DeviceCache, tokens, positions, visibility=None):
+        """Logits float32 [s, V] for ``tokens`` at ``positions`` (cuda: DeviceLogits, left on the device;
+        sim: a numpy array); writes cache rows length..length+s-1.
+
+        The layer stack runs as segments (engine/cuda_graphs.py): on cuda with graphs on, a token count seen
+        before replays its captured segments, with the cache write and attention launched between them."""
+        cfg, ops = self.cfg, self.ops
+        tokens = np.asarray(tokens, dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)
+        s = tokens.shape[0]
+        if tokens.ndim != 1 or s < 1 or positions.shape != (s,):
+            raise ValueError(f"tokens and positions must be 1-D of one length, got {tokens.shape}, {positions.shape}")
+        if cache.length + s > cache.capacity:
+            raise ValueError(f"{s} new rows after {cache.length} exceed the cache capacity {cache.capacity}")
+        if positions.min() < 0 or positions.max() >= cfg.max_position_embeddings:
+            raise ValueError(f"positions must be in 0..{cfg.max_position_embeddings - 1}")
+        if visibility is None:
+            mask = self._causal_mask(s)
+        else:
+            mask = ops.upload(pack_visibility(np.asarray(visibility, dtype=bool)))
+        graphs = self._graphs_for(s)
+        if graphs is None:
+            state = self._new_state(s)
+            state["tokens"].copy_to_device(tokens)
+            state["positions"].copy_to_device(positions)
+            for k in range(len(self.layers) + 1):
+                self._run_segment(k, state, 0)
+                if k < len(self.layers):
+                    self._attend(k, state, cache, mask)
+        else:
+            state = graphs.state
+            state["tokens"].copy_to_device(tokens)
+            state["positions"].copy_to_device(positions)
+            for k in range(len(self.layers) + 1):
+                graphs.replay(k)
+                if k < len(self.layers):
+                    self._attend(k, state, cache, mask)
+        logits = state["logits"]
+        if self.backend == "sim":  # no real device: records read the host array directly (the simulated
+            return ops.to_host(logits)  # top-k kernel would cost seconds per step in Python)
+        if graphs is not None:  # the graph's logits buffer is overwritten by the next step of this shape
+            logits = ops.copy(logits)
+        return DeviceLogits(logits, ops.to_host)
+
+    def _causal_mask(self, s: int):
+        """The device causal mask for s tokens, uploaded once per token count (kernels only read it)."""
+        mask = self._causal_masks.get(s)
+        if mask is None:
+            mask = self.ops.upload(causal_visibility(s))
+            if len(self._causal_masks) < MAX_CAUSAL_MASKS:  # prefills of many lengths must not pile up
+                self._causal_masks[s] = mask
+        return mask
+
+    # -- segments (engine/cuda_graphs.py) -----------------------------------------------------------
+    def _new_state(self, s: int) -> dict:
+        """The arrays that cross segment boundaries for s tokens (graph inputs / outputs, attention output)."""
+        cfg = self.cfg
+        return dict(tokens=cuda.device_array(s, np.int64), positions=cuda.device_array(s, np.int64),
+                    o_lat=cuda.device_array((s, cfg.num_attention_heads, cfg.kv_lora_rank), np.float32))
+
+    def _graphs_for(self, s: int):
+        """The captured segments for s tokens, or None to run eagerly. A shape is captured the second time it
+        is seen (the first run compiles every kernel and warms cuBLAS); prefills (one-off shapes) stay eager."""
+        if not self.use_graphs:
+            return None
+        if s in self._graphs:
+            return self._graphs[s]
+        seen = self._shapes_seen.get(s, 0) + 1
+        self._shapes_seen[s] = seen
+        if seen < 2 or len(self._graphs) >= MAX_GRAPH_SHAPES:
+            return None
+        self._graphs[s] = self.ops.segment_graphs(self.ops.torch, self._run_segment, len(self.layers) + 1,
+                                                    self._new_state(s))
+        return self._graphs[s]
+
+    def _run_segment(self, k: int, state: dict, stream) -> None:
+        """Segment k: k = 0 embeds; 0 < k <= L finishes layer k-1 from its attention output; k < L then
+        normalises and projects layer k (q_lat, q_pe, kv_a for the eager cache write and attention);
+        k = L ends with the final norm and the LM head (state["logits"]). Graph mode: ``state`` keeps what the
+        captures left there, so nothing a later segment or an attention reads may be overwritten by another."""
+        cfg, ops = self.cfg, self.ops
+        eps = cfg.rms_norm_eps
+        if k == 0:
+            state["residual"] = embedding.embed_tokens(self.embed, state["tokens"], stream=stream)
+            normed = rmsnorm.rms_norm(state["residual"], self.layers[0]["input_norm"], eps, stream=stream)
+        else:
+            layer = self.layers[k - 1]
+            s = state["o_lat"].shape[0]
+            o = ops.heads_matmul(state["o_lat"], layer["w_uv"], transpose_w=True)  # [s, h, v]
+            attn = ops.linear(o.reshape(s, cfg.num_attention_heads * cfg.v_head_dim), layer["o_proj"])
+            normed = rmsnorm.add_rms_norm(attn, state["residual"], layer["post_norm"], eps, stream=stream)
+            delta = (self._moe(layer, normed, stream) if cfg.is_moe_layer(k - 1)
+                     else self._dense_ffn(layer, normed, stream))
+            weight = self.final_norm if k == len(self.layers) else self.layers[k]["input_norm"]
+            normed = rmsnorm.add_rms_norm(delta, state["residual"], weight, eps, stream=stream)
+        if k == len(self.layers):
+            state["logits"] = ops.linear(normed, self.lm_head)
+            return
+        layer = self.layers[k]
+        h, n, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        s = normed.shape[0]
+        if cfg.q_lora_rank is None:
+            q = ops.linear(normed, layer["q_proj"])
+        else:
+            q_a = rmsnorm.rms_norm(ops.linear(normed, layer["q_a"]), layer["q_norm"], eps, stream=stream)
+            q = ops.linear(q_a, layer["q_b"])
+        q = q.reshape(s, h, n + r)
+        # One entry per layer: a replay runs all segments, and attention i must read layer i's arrays.
+        state[("q_pe", k)] = rope.apply_rope(q[:, :, n:], self.rope, state["positions"], stream=stream)
+        state[("q_lat", k)] = ops.heads_matmul(q[:, :, :n], layer["w_uk"], transpose_w=False)  # [s, h, c]
+        state[("kv_a", k)] = ops.linear(normed, layer["kv_a"])
+
+    def _attend(self, i: int, state: dict, cache: DeviceCache, mask) -> None:
+        """Layer i's cache write and attention (eager: both take the cache length as a launch scalar)."""
+        cfg = self.cfg
+        kv_write.write_kv_rows(cache.kv, i, cache.length, state[("kv_a", i)], self.layers[i]["kv_norm"],
+                               cfg.rms_norm_eps, self.rope, state["positions"])
+        mla_attention(state[("q_lat", i)], state[("q_pe", i)], cache.kv[i], cache.length, mask,
+                                    cfg.softmax_scale, out=state["o_lat"])
+
+    def _dense_ffn(self, layer, x, stream):
+        gate_up = self.ops.linear(x, layer["ffn_gate_up"])
+        return self.ops.linear(swiglu.silu_mul(gate_up, stream=stream), layer["ffn_down"])
+
+    def _moe(self, layer, x, stream):
+        cfg = self.cfg
+        bias = None if cfg.topk_method == "greedy" else layer["router_bias"]  # greedy routing ignores the bias
+        expert_ids, expert_weights = moe_router.route_experts(self.ops.linear(x, layer["router"]), bias,
+                                                              **moe_router.router_options(cfg), stream=stream)
+        if cfg.n_shared_experts:
+            shared = self._dense_ffn(layer, x, stream)
+            return moe_experts.moe_experts(x, expert_ids, expert_weights, layer["experts_gate_up"],
+                                           layer["experts_down"], out=shared, accumulate=True, stream=stream)
+        return moe_experts.moe_experts(x, expert_ids, expert_weights, layer["experts_gate_up"], layer["experts_down"],
+                                       stream=stream)
+
+    def commit(self, cache: DeviceCache, s: int) -> None:
+        cache.length += int(s)
+
+    def compact(self, cache: DeviceCache, accepted) -> None:
+        accepted = np.asarray(accepted, dtype=np.int32)
+        kv_compact.compact_rows(cache.kv, np.array([cache.length], np.int32), accepted[None, :],
+                                np.array([len(accepted)], np.int32))
+        cache.length += len(accepted)

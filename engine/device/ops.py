@@ -1,0 +1,109 @@
+"""Backend ops of the device model: uploads and the dense products (the vendor-BLAS half of the forward).
+
+SimOps (backend ``sim``): simulator device arrays, dense products in numpy float32 BLAS on host copies.
+TorchOps (backend ``cuda``): dense products through cuBLAS (torch); Numba kernels share torch's stream.
+Both: upload(a), dense_weight(w), linear(x [s, in], w [out, in]) -> [s, out], heads_matmul(x [s, h, a], w) ->
+[s, h, b], to_host(x); TorchOps also copy(x) and the graph machinery (segment_graphs).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+
+class SimOps:
+    """Under the simulator: device arrays are simulator arrays; dense products run in numpy (float32 BLAS)."""
+
+    name = "sim"
+
+    def upload(self, a: np.ndarray):
+        return cuda.to_device(np.ascontiguousarray(a))
+
+    def dense_weight(self, w: np.ndarray):
+        return np.ascontiguousarray(w, dtype=np.float32)
+
+    @staticmethod
+    def _host(x):
+        return x._ary if hasattr(x, "_ary") else np.asarray(x)  # the simulator's array, no copy
+
+    def linear(self, x, w):
+        """x [s, in] device, w [out, in] -> device [s, out]."""
+        return cuda.to_device(self._host(x) @ w.T)
+
+    def heads_matmul(self, x, w, transpose_w: bool):
+        """Per head: x [s, h, a] @ w[h] ([h, a, b], or [h, b, a] transposed) -> device [s, h, b]."""
+        xh = self._host(x)
+        return cuda.to_device(np.ascontiguousarray(np.einsum("sha,hba->shb" if transpose_w else "sha,hab->shb",
+                                                             xh, w)))
+
+    def to_host(self, x) -> np.ndarray:
+        return np.array(self._host(x))
+
+
+class _Unsynced:
+    """A device array's interface without its stream field (torch would otherwise wait on that stream)."""
+
+    def __init__(self, array):
+        self.array = array
+        self.__cuda_array_interface__ = {**array.__cuda_array_interface__, "stream": None}
+
+
+class TorchOps:
+    """On a GPU: dense products through cuBLAS (torch); numba kernels share torch's current stream."""
+
+    name = "cuda"
+
+    def __init__(self, weight_dtype: str):
+        import torch
+        self.torch = torch
+        self.weight_dtype = torch.bfloat16 if weight_dtype == "bfloat16" else torch.float32
+        from kdspec.engine.device import cuda_graphs  # GPU only (the simulator has no memory-manager plugins)
+        cuda_graphs.use_torch_allocator()  # graph capture needs it; eager launches allocate faster too
+        self.segment_graphs = cuda_graphs.SegmentGraphs
+
+    def upload(self, a: np.ndarray):
+        return cuda.to_device(np.ascontiguousarray(a))
+
+    def dense_weight(self, w: np.ndarray):
+        return self.torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to("cuda", self.weight_dtype)
+
+    def _t(self, x):
+        return self.torch.as_tensor(_Unsynced(x), device="cuda")
+
+    @staticmethod
+    def _numba(t):
+        """A Numba view of torch tensor ``t``. Without the interface's stream field: every launch and product
+        runs on one stream in order, and a stream sync would stop a graph capture."""
+        return cuda.from_cuda_array_interface({**t.__cuda_array_interface__, "stream": None}, owner=t, sync=False)
+
+    def _x(self, x, w):
+        # bf16 weights: the GEMM reads bf16 operands on the tensor cores with fp32 accumulation, so the
+        # activation is rounded to bf16 too; fp32 weights keep the whole product in fp32.
+        x = self._t(x)
+        return x if w.dtype == self.torch.float32 else x.to(w.dtype)
+
+    def _product(self, op, a, b):
+        """a @ b (mm or bmm) with an fp32 result. bf16 operands write fp32 straight from the accumulator
+        (out_dtype): a bf16-rounded output would round differently for different row counts (cuBLAS picks
+        its kernel by shape), and a verify forward must agree with the AR forward at near-ties."""
+        if a.dtype == self.torch.float32:
+            return op(a, b)
+        try:
+            return op(a, b, out_dtype=self.torch.float32)
+        except (TypeError, NotImplementedError, RuntimeError):  # torch < 2.9, or no such kernel here
+            return op(a, b).float()
+
+    def linear(self, x, w):
+        out = self._product(self.torch.mm, self._x(x, w), w.t())
+        return self._numba(out.contiguous())
+
+    def heads_matmul(self, x, w, transpose_w: bool):
+        xh = self._x(x, w).transpose(0, 1)  # [h, s, a]
+        out = self._product(self.torch.bmm, xh, w.transpose(1, 2) if transpose_w else w)  # [h, s, b]
+        return self._numba(out.transpose(0, 1).contiguous())
+
+    def to_host(self, x) -> np.ndarray:
+        return x.copy_to_host() if hasattr(x, "copy_to_host") else self._t(x).cpu().numpy()
+
+    def copy(self, x):
+        return self._numba(self._t(x).clone())

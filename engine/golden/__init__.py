@@ -1,0 +1,1 @@
+"""The float64 golden: the reference model, its layers, sampling and the DDTree reference algorithms."""

@@ -1,0 +1,1 @@
+"""Models on disk and in memory: config, weights, safetensors I/O, checkpoints, tokenizers."""

@@ -1,0 +1,51 @@
+"""Host-side array helpers shared by the kernel launchers: turn what a caller passes into something a kernel
+takes, and check shapes and dtypes with one-line errors."""
+import numpy as np
+from numba import cuda
+
+
+def as_device_array(array, name: str = "array"):
+    """A numba device array as is; a ``__cuda_array_interface__`` object (torch) wrapped without a copy;
+    numpy (or a list) copied to the device. Anything else: ValueError naming ``name``."""
+    if hasattr(array, "copy_to_host"):
+        return array
+    if hasattr(array, "__cuda_array_interface__"):
+        return cuda.as_cuda_array(array)
+    host = np.ascontiguousarray(array)
+    if host.dtype == object:
+        raise ValueError(f"{name}: expected a device array or numpy array, got {type(array).__name__}")
+    return cuda.to_device(host)
+
+
+def is_device_array(array) -> bool:
+    """True for arrays already on the device (outputs written in place must be)."""
+    return hasattr(array, "copy_to_host") or hasattr(array, "__cuda_array_interface__")
+
+
+def check_array(array, name, shape, dtypes):
+    """Raise a one-line ValueError unless ``array`` has ``shape`` (None = any size) and one of ``dtypes``."""
+    dtype = np.dtype(array.dtype)
+    if dtype not in [np.dtype(t) for t in dtypes]:
+        allowed = "/".join(np.dtype(t).name for t in dtypes)
+        raise ValueError(f"{name}: dtype {dtype.name}, expected {allowed}")
+    if len(array.shape) != len(shape) or any(w is not None and a != w for a, w in zip(array.shape, shape)):
+        raise ValueError(f"{name}: shape {tuple(array.shape)}, expected {tuple('?' if w is None else w for w in shape)}")
+
+
+def weight_view(w, name):
+    """(kernel view, is_bf16) of a 3-D weight: fp32 as is; uint16/int16 bf16 bits viewed as uint32 pairs."""
+    dtype = np.dtype(w.dtype)
+    if dtype == np.float32:
+        return w, False
+    if dtype in (np.dtype(np.uint16), np.dtype(np.int16)):
+        return w.view(np.uint32), True
+    raise ValueError(f"{name}: dtype {dtype.name}, expected float32 or bf16 bits as uint16/int16")
+
+
+def output(out, name, shape, stream):
+    """The caller's ``out`` checked (float32, ``shape``), or a new device array."""
+    if out is None:
+        return cuda.device_array(shape, dtype=np.float32, stream=stream)
+    out = as_device_array(out, name)
+    check_array(out, name, shape, [np.float32])
+    return out

@@ -1,0 +1,1 @@
+"""DDTree kernels: tree build, accept walk, and KV cache compaction."""
