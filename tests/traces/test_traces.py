@@ -15,7 +15,7 @@ import pytest
 from kdspec.traces import STEP_FIELDS, TraceError, TraceWriter, check, info_json, info_text, open_trace
 from kdspec.traces.schema import SCHEMA_VERSION, STAGES
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "trace-format.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "trace-format.md"
 MODEL_CONFIG = {"name": "tiny", "vocab_size": 64, "hidden_size": 32}
 
 
@@ -384,5 +384,5 @@ def test_traces_imports_neither_engine_nor_app():
     code = ("import sys, traces, traces.report; bad = [m for m in sys.modules if m.split('.')[0] in "
             "('engine', 'kdtree_tui', 'numba', 'textual')]; print(bad); sys.exit(bool(bad))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stdout + result.stderr

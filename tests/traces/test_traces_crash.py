@@ -39,7 +39,7 @@ print("done", flush=True)
 
 def start_writer(path, delay):
     return subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(delay)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=TESTS.parent)
+                            stderr=subprocess.PIPE, text=True, cwd=TESTS.parents[1])
 
 
 def wait_for_count(proc, at_least, timeout=60.0):

@@ -247,7 +247,7 @@ OTHER_CONFIGS = [TileConfig(rows=4, keys=8, d_chunk=2, v_chunk=4, s_rows=2, s_ke
 
 
 @pytest.mark.skipif(not ON_SIMULATOR, reason="toy tiles sized for the simulator's MAX_LATENT; "
-                    "tests/test_kernels_attention_gpu.py runs real ones")
+                    "tests/kernels/test_attention_gpu.py runs real ones")
 @pytest.mark.parametrize("config", OTHER_CONFIGS, ids=["wide-keys", "tall-rows"])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_attention_other_tile_configs(config, splits):

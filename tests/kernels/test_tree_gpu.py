@@ -8,7 +8,7 @@ against the Python heapq builder.
 import numpy as np
 import pytest
 from numba import cuda, float64, int32
-from test_kernels_tree import expected_build, poisoned, random_drafts, run_build
+from test_tree import expected_build, poisoned, random_drafts, run_build
 
 from kdspec.engine.golden import ddtree as ddtree_ref
 from kdspec.engine.golden import sampling as sampling_ref
