@@ -160,41 +160,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], name: str = "custom") -> "ModelConfig":
-        if not isinstance(raw, dict):
-            raise ConfigError("config.json must hold a JSON object")
-        cfg = raw.get("text_config", raw)  # Kimi K2.5/K2.6 nest the text model's fields
-        if not isinstance(cfg, dict):
-            raise ConfigError("text_config must be a JSON object")
-        # Newer transformers write rope settings as `rope_parameters` with rope_theta inside.
-        rope_params = cfg.get("rope_parameters")
-        if rope_params is not None and not isinstance(rope_params, dict):
-            raise ConfigError("rope_parameters must be a JSON object")
-        scaling = cfg.get("rope_scaling")
-        if scaling is None and rope_params is not None:
-            scaling, scaling_field = rope_params, "rope_parameters"
-        else:
-            scaling_field = "rope_scaling"
-        if scaling is not None and not isinstance(scaling, dict):
-            raise ConfigError(f"{scaling_field} must be a JSON object or null, got {scaling!r}")
-        theta_source = cfg if "rope_theta" in cfg else (rope_params or {})
-        rope_scaling = None
-        if scaling:
-            kind = scaling.get("type", scaling.get("rope_type"))
-            if kind == "yarn":
-                for key in ("factor", "original_max_position_embeddings"):
-                    if key not in scaling:
-                        raise ConfigError(f"{scaling_field} of type yarn lacks {key}")
-                rope_scaling = YarnScaling(
-                    factor=_number(scaling, "factor", None, scaling_field),
-                    original_max_position_embeddings=_integer(scaling, "original_max_position_embeddings", None,
-                                                              scaling_field),
-                    beta_fast=_number(scaling, "beta_fast", 32.0, scaling_field),
-                    beta_slow=_number(scaling, "beta_slow", 1.0, scaling_field),
-                    mscale=_number(scaling, "mscale", 1.0, scaling_field),
-                    mscale_all_dim=_number(scaling, "mscale_all_dim", 0.0, scaling_field),
-                )
-            elif kind not in (None, "default"):
-                raise ConfigError(f"{scaling_field} type {kind!r} is not supported (only yarn)")
+        cfg = _text_config(raw)
+        theta_source, rope_scaling = _rope_fields(cfg)
         if cfg.get("moe_layer_freq", 1) != 1:
             raise ConfigError(f"moe_layer_freq {cfg['moe_layer_freq']!r} is not supported (only 1)")
         required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -268,6 +235,53 @@ def _boolean(source: dict, key: str, default) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key} must be true or false, got {value!r}")
     return value
+
+
+def _text_config(raw: Any) -> dict[str, Any]:
+    """The dict of the text model's fields: raw itself, or its ``text_config`` (Kimi K2.5/K2.6 nest them)."""
+    if not isinstance(raw, dict):
+        raise ConfigError("config.json must hold a JSON object")
+    cfg = raw.get("text_config", raw)
+    if not isinstance(cfg, dict):
+        raise ConfigError("text_config must be a JSON object")
+    return cfg
+
+
+def _rope_fields(cfg: dict[str, Any]) -> tuple[dict[str, Any], Optional[YarnScaling]]:
+    """(the dict that holds rope_theta, YarnScaling or None) from ``rope_scaling``, or from
+    ``rope_parameters`` (newer transformers write rope settings there, rope_theta inside)."""
+    rope_params = cfg.get("rope_parameters")
+    if rope_params is not None and not isinstance(rope_params, dict):
+        raise ConfigError("rope_parameters must be a JSON object")
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and rope_params is not None:
+        scaling, scaling_field = rope_params, "rope_parameters"
+    else:
+        scaling_field = "rope_scaling"
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ConfigError(f"{scaling_field} must be a JSON object or null, got {scaling!r}")
+    theta_source = cfg if "rope_theta" in cfg else (rope_params or {})
+    return theta_source, _yarn_scaling(scaling, scaling_field) if scaling else None
+
+
+def _yarn_scaling(scaling: dict[str, Any], field: str) -> Optional[YarnScaling]:
+    """YarnScaling of a rope scaling dict of type yarn; None for the default type (or none given)."""
+    kind = scaling.get("type", scaling.get("rope_type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "yarn":
+        raise ConfigError(f"{field} type {kind!r} is not supported (only yarn)")
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in scaling:
+            raise ConfigError(f"{field} of type yarn lacks {key}")
+    return YarnScaling(
+        factor=_number(scaling, "factor", None, field),
+        original_max_position_embeddings=_integer(scaling, "original_max_position_embeddings", None, field),
+        beta_fast=_number(scaling, "beta_fast", 32.0, field),
+        beta_slow=_number(scaling, "beta_slow", 1.0, field),
+        mscale=_number(scaling, "mscale", 1.0, field),
+        mscale_all_dim=_number(scaling, "mscale_all_dim", 0.0, field),
+    )
 
 
 _YARN_K2 = YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0,
