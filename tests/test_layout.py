@@ -129,3 +129,17 @@ def test_wheel_lists_every_package_folder():
                         for top in TOPS for init in (REPO / top).rglob("__init__.py")}
     assert set(config["packages"]) == folders
     assert config["package-dir"] == {ROOT: ROOT, **{f"{ROOT}.{top}": top for top in TOPS}}
+
+
+def test_wheel_claims_one_top_level_name(tmp_path):
+    """The built wheel installs `kdspec` alone (no `engine`, `traces` or `kdtree`), with the app's data files."""
+    import subprocess
+    import sys
+    import zipfile
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=300)
+    wheel, = tmp_path.glob("kdspec-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")} == {ROOT}
+    assert "kdspec/kdtree_tui/app.tcss" in names and "kdspec/kdtree_tui/data/k2-mini-sample.h5" in names
+    assert "kdspec/numba_kernels/attention/dispatch.py" in names

@@ -26,6 +26,7 @@ from kdspec.engine.model.weights import check_weights
 from kdspec.numba_kernels import embedding, kv_write, rmsnorm, rope
 from kdspec.numba_kernels.attention.common import causal_visibility, pack_visibility
 from kdspec.numba_kernels.attention.dispatch import mla_attention
+from kdspec.numba_kernels.host_arrays import is_device_array
 from kdspec.numba_kernels.moe import experts as moe_experts
 from kdspec.numba_kernels.moe import router as moe_router
 from kdspec.numba_kernels.moe import swiglu
@@ -107,7 +108,8 @@ class DeviceModel:
 
     def forward(self, cache: DeviceCache, tokens, positions, visibility=None):
         """Logits float32 [s, V] for ``tokens`` at ``positions`` (cuda: DeviceLogits, left on the device;
-        sim: a numpy array); writes cache rows length..length+s-1.
+        sim: a numpy array); writes cache rows length..length+s-1. visibility: None (causal), bool [s, s], or
+        the packed bitmask uint32 [s, W] already on the device (DeviceTreeOps.build_tree's), used as it is.
 
         The layer stack runs as segments (engine/cuda_graphs.py): on cuda with graphs on, a token count seen
         before replays its captured segments, with the cache write and attention launched between them."""
@@ -123,6 +125,8 @@ class DeviceModel:
             raise ValueError(f"positions must be in 0..{cfg.max_position_embeddings - 1}")
         if visibility is None:
             mask = self._causal_mask(s)
+        elif is_device_array(visibility):  # already packed on the device (the tree build's bitmask)
+            mask = visibility
         else:
             mask = ops.upload(pack_visibility(np.asarray(visibility, dtype=bool)))
         graphs = self._graphs_for(s)

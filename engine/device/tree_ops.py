@@ -37,18 +37,19 @@ class DeviceTreeOps:
 
     @staticmethod
     def build_tree(draft_logprobs, draft_ids, root_token: int, budget: int, prefix_len: int) -> ddtree_ref.Tree:
+        """The tree on the host for accept and the record; its visibility is the build kernel's packed bitmask
+        uint32 [N+1, W] left on the device, which the verify forward hands to attention as it is."""
         ddtree_ref.check_draft(draft_logprobs, draft_ids, budget)
         batch = tree_build.build_trees(np.ascontiguousarray(draft_logprobs[None], dtype=np.float32),
                                        np.ascontiguousarray(draft_ids[None], dtype=np.int32),
                                        np.array([root_token], np.int32), np.array([prefix_len], np.int32), budget)
-        built = {name: values[0] for name, values in batch.to_host().items()}  # three device reads in all
-        count = int(built["num_nodes"])
-        bits = built["visibility"][:count]  # [N+1, W] uint32, bit j of row i: j is an ancestor-or-self of i
-        visibility = ((bits[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1).reshape(count, -1)[:, :count]
-        return ddtree_ref.Tree(tokens=built["tokens"][:count].astype(np.int64), parents=built["parents"][:count],
-                               depths=built["depths"][:count], ranks=built["ranks"][:count],
-                               scores=built["scores"][:count], positions=built["positions"][:count].astype(np.int64),
-                               visibility=visibility.astype(bool))
+        packed = batch.packed.copy_to_host()  # two device reads in all: the node arrays and the count
+        count = int(batch.num_nodes.copy_to_host()[0])
+        built = {name: packed[row, 0, :count] for row, name in enumerate(tree_build.OUTPUT_ROWS)}
+        return ddtree_ref.Tree(tokens=built["tokens"].astype(np.int64), parents=built["parents"],
+                               depths=built["depths"], ranks=built["ranks"],
+                               scores=built["scores"].view(np.float32), positions=built["positions"].astype(np.int64),
+                               visibility=batch.visibility[0, :count])
 
     @staticmethod
     def accept(parents, tokens, target_choice) -> tuple[np.ndarray, int]:

@@ -18,7 +18,8 @@ class Tree:
 
     tokens int64 [N+1]; parents int32 [N+1] (root -1); depths int32 [N+1] (root 0); ranks int32 [N+1]
     (drafter rank of the node's token at its depth, root 0); scores float32 [N+1] (path log-prob, root 0);
-    positions int64 [N+1] = P + depth; visibility bool [N+1, N+1], [i, j] when j is an ancestor of i or i.
+    positions int64 [N+1] = P + depth; visibility bool [N+1, N+1], [i, j] when j is an ancestor of i or i (from
+    the device build: the same relation packed, uint32 [N+1, W] on the device, bit j % 32 of word j // 32).
     """
 
     tokens: np.ndarray

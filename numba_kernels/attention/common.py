@@ -4,7 +4,7 @@ For query token i, head h (a "row" ρ = i*h_count + h of the s*h query-head pair
     score[ρ, t] = (q_lat[i, h] . cache[t, :c] + q_pe[i, h] . cache[t, c:]) * scale
     o_lat[i, h] = softmax_t(score[ρ, t] over visible t) @ cache[t, :c]
 Row t < P (prefix_len) is visible to all; in-flight row P + j is visible to query i when bit j of
-visibility[i] is set (word j // 32, bit j % 32). Causal prefill is the lower-triangular mask, AR decode s = 1.
+visibility[i] is set (word j // 32, bit j % 32; visibility uint32 [s, W], W >= ceil(s/32)). Causal prefill is the lower-triangular mask, AR decode s = 1.
 A split-K path writes per-split normalised partials and log-sum-exps; merge_splits_kernel combines them.
 Dimension letters: s query tokens, h heads, c kv_lora_rank, r qk_rope_head_dim, t key rows.
 """
@@ -116,8 +116,11 @@ def checked_inputs(q_lat, q_pe, cache_layer, prefix_len: int, visibility, out, s
             if not sees.all():
                 raise ValueError(f"query {int(np.flatnonzero(~sees)[0])} sees no key row (P = 0, empty mask row)")
     visibility = as_device_array(visibility)
-    if visibility.dtype != np.uint32 or tuple(visibility.shape) != (tokens, words):
-        raise ValueError(f"visibility must be uint32 [{tokens}, {words}], got {visibility.dtype} "
+    # Wider rows are allowed (words past ceil(s/32) are never read): the tree build's bitmask, sized for the
+    # whole budget, goes to attention as it is, without a host round trip.
+    if (visibility.dtype != np.uint32 or len(visibility.shape) != 2 or visibility.shape[0] != tokens
+            or visibility.shape[1] < words):
+        raise ValueError(f"visibility must be uint32 [{tokens}, >= {words}], got {visibility.dtype} "
                          f"{list(visibility.shape)}")
     if out is None:
         out = cuda.device_array((tokens, heads, latent), dtype=np.float32, stream=stream)

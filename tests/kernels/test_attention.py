@@ -151,12 +151,12 @@ def test_embedding_rejects_bad_ids_and_tables():
 # ------------------------------------------------------------------------------------------ KV write
 def test_write_kv_rows_norms_ropes_and_writes_only_its_rows(tiny, tiny_table):
     rng = np.random.default_rng(7)
-    layers, capacity, latent, rope = 3, 12, tiny.kv_lora_rank, tiny.qk_rope_head_dim
+    num_layers, capacity, latent, rope = 3, 12, tiny.kv_lora_rank, tiny.qk_rope_head_dim
     tokens, layer, start = 4, 1, 5
     kv_a = normal(rng, tokens, latent + rope, scale=2.0)
     weight = normal(rng, latent)
     positions = np.array([5, 6, 9, 200], dtype=np.int64)
-    cache = poisoned((layers, capacity, latent + rope))
+    cache = poisoned((num_layers, capacity, latent + rope))
     write_kv_rows(cache, layer, start, kv_a, weight, tiny.rms_norm_eps, tiny_table, positions)
     result = cache.copy_to_host()
     rows = result[layer, start:start + tokens]
@@ -324,3 +324,21 @@ def test_mla_attention_without_config_runs_its_path_and_matches_reference(tokens
     visible = random_tree_visibility(tokens, rng)
     out, expected = run_attention(rng, tokens, 2, 16, 4, prefix, visible, num_splits=None, config=None)
     assert_close(out, expected)
+
+
+@pytest.mark.parametrize("tokens", [3, 18])
+def test_visibility_rows_wider_than_needed_give_the_same_output(tokens):
+    # the tree build's bitmask is sized for the whole budget (more words than ceil(s/32)); attention takes it
+    # as it is, and the extra words (poisoned with all bits set) are never read
+    rng = np.random.default_rng(40 + tokens)
+    visible = random_tree_visibility(tokens, rng)
+    q_lat, q_pe = normal(rng, tokens, 2, 16), normal(rng, tokens, 2, 4)
+    cache = normal(rng, 7 + tokens, 20)
+    packed = pack_visibility(visible)
+    wide = np.full((tokens, packed.shape[1] + 2), 0xFFFFFFFF, np.uint32)
+    wide[:, :packed.shape[1]] = packed
+    exact = mla_attention(q_lat, q_pe, cache, 7, packed, 0.37).copy_to_host()
+    widened = mla_attention(q_lat, q_pe, cache, 7, cuda.to_device(wide), 0.37).copy_to_host()
+    np.testing.assert_array_equal(widened, exact)
+    with pytest.raises(ValueError, match="visibility must be uint32"):
+        mla_attention(q_lat, q_pe, cache, 7, packed[:-1], 0.37)
