@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -236,88 +237,132 @@ def median_run(decode, repeats: int):
     return sorted(results, key=lambda r: r.elapsed - r.prefill_time)[len(results) // 2]
 
 
-def run(quick: bool = False) -> list[dict]:
-    cfg, model, ops, tensors = load_model(quick)
-    repeats = 1 if quick else REPEATS
-    bandwidth = ceilings(quick)["copy_bytes_per_s"]
+class _Plan(NamedTuple):
+    """What one e2e run decodes: the prompt, the token count, the DDTree grid and the generate arguments."""
+    quick: bool
+    prompt: np.ndarray
+    new_tokens: int
+    block: int
+    budgets: tuple
+    drafters: tuple
+    repeats: int
+    run_args: dict
+
+
+def _plan(cfg: ModelConfig, ops, quick: bool) -> _Plan:
     # quick: the simulator runs a tiny-model step in seconds, so as few steps as still exercise every path
     new_tokens, block, budgets, drafters = (4, 3, (2,), DRAFTERS[:1]) if quick else (64, BLOCK_SIZE, BUDGETS, DRAFTERS)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg.vocab_size, 4 if quick else 32).astype(np.int64)
-    run_args = dict(tree_ops=ops, block_size=block)
+    return _Plan(quick, prompt, new_tokens, block, budgets, drafters, 1 if quick else REPEATS,
+                 dict(tree_ops=ops, block_size=block))
 
+
+def run(quick: bool = False) -> list[dict]:
+    cfg, model, ops, tensors = load_model(quick)
+    plan = _plan(cfg, ops, quick)
+    bandwidth = ceilings(quick)["copy_bytes_per_s"]
     if not quick:  # the simulator compiles nothing
-        progress("e2e: warm-up (kernel compilation)")
-        generate(model, prompt, 3, mode="ar", **run_args)
-        warm_golden = np.concatenate([prompt, np.zeros(64, np.int64)])
-        for budget in budgets:
-            drafter = parse_drafter("oracle").build(warm_golden, block - 1, min(budget, cfg.vocab_size),
-                                                    cfg.vocab_size)
-            generate(model, prompt, 3, mode="ddtree", drafter=drafter, budget=budget, **run_args)
-
-    progress(f"e2e: AR, {new_tokens} tokens")
+        _warm_up(cfg, model, plan)
+    progress(f"e2e: AR, {plan.new_tokens} tokens")
     # block more tokens than DDTree decodes: the oracle's golden continuation covers its last step.
-    ar = median_run(lambda: generate(model, prompt, new_tokens + block, mode="ar", **run_args), repeats)
+    ar = median_run(lambda: generate(model, plan.prompt, plan.new_tokens + plan.block, mode="ar", **plan.run_args),
+                    plan.repeats)
     ar_rate, ar_step = decode_rate(ar)
-    golden = np.concatenate([prompt, ar.tokens])
+    golden = np.concatenate([plan.prompt, ar.tokens])
     rows = [row(SUITE, "AR tokens/s", ar_rate, "tok/s",
-                note=f"{ar_step * 1e3:.3g} ms/step over {ar.steps} steps (median of {repeats} runs)")]
+                note=f"{ar_step * 1e3:.3g} ms/step over {ar.steps} steps (median of {plan.repeats} runs)")]
+    ddtree = _ddtree_runs(cfg, model, plan, golden)
+    rows.extend(_ddtree_row(spec, budget, result, ar, ar_rate, plan.new_tokens)
+                for (spec, budget), result in ddtree.items())
+    ar_forwards, verify_forwards = _count_experts(cfg, model, plan, golden)
+    rows.extend(_roofline_rows(cfg, plan, bandwidth, ar_forwards, verify_forwards, ar_step, ar_rate,
+                               ddtree["oracle", plan.budgets[0]]))
+    rows.extend(_hf_rows(cfg, tensors, plan.prompt, plan.new_tokens, ar, ar_rate, quick))
+    release_tensors(quick)
+    return rows
 
+
+def _warm_up(cfg: ModelConfig, model, plan: _Plan) -> None:
+    """Compile every kernel the timed runs launch: a short AR decode and an oracle DDTree one per budget."""
+    progress("e2e: warm-up (kernel compilation)")
+    generate(model, plan.prompt, 3, mode="ar", **plan.run_args)
+    warm_golden = np.concatenate([plan.prompt, np.zeros(64, np.int64)])
+    for budget in plan.budgets:
+        drafter = parse_drafter("oracle").build(warm_golden, plan.block - 1, min(budget, cfg.vocab_size),
+                                                cfg.vocab_size)
+        generate(model, plan.prompt, 3, mode="ddtree", drafter=drafter, budget=budget, **plan.run_args)
+
+
+def _ddtree_runs(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) -> dict:
+    """(drafter spec, budget) -> the median DDTree result, drafters knowing the AR run's tokens as golden."""
     ddtree = {}
-    for spec in drafters:
-        for budget in budgets:
+    for spec in plan.drafters:
+        for budget in plan.budgets:
             progress(f"e2e: DDTree {spec} budget {budget}")
             topk = min(budget, cfg.vocab_size)
-            drafter = parse_drafter(spec).build(golden, block - 1, topk, cfg.vocab_size, seed=0)
-            result = median_run(lambda: generate(model, prompt, new_tokens, mode="ddtree", drafter=drafter,
-                                                 budget=budget, **run_args), repeats)
-            ddtree[spec, budget] = result
-            rate, step = decode_rate(result)
-            same = int(np.sum(result.tokens == ar.tokens[:new_tokens]))
-            stages = ", ".join(f"{s} {result.stage_times[s] / result.steps * 1e3:.3g}" for s in STAGES)
-            rows.append(row(SUITE, f"DDTree {spec} B={budget} tokens/s", rate, "tok/s", peer="engine AR",
-                            peer_value=ar_rate,
-                            note=f"tau {result.mean_tau:.2f}; {step * 1e3:.3g} ms/step ({stages} ms); "
-                                 f"{same}/{new_tokens} tokens = AR"))
+            drafter = parse_drafter(spec).build(golden, plan.block - 1, topk, cfg.vocab_size, seed=0)
+            ddtree[spec, budget] = median_run(lambda: generate(model, plan.prompt, plan.new_tokens, mode="ddtree",
+                                                               drafter=drafter, budget=budget, **plan.run_args),
+                                              plan.repeats)
+    return ddtree
 
-    # Roofline: count distinct experts in an instrumented AR run and an oracle B=7 DDTree run.
+
+def _ddtree_row(spec: str, budget: int, result, ar, ar_rate: float, new_tokens: int) -> dict:
+    rate, step = decode_rate(result)
+    same = int(np.sum(result.tokens == ar.tokens[:new_tokens]))
+    stages = ", ".join(f"{s} {result.stage_times[s] / result.steps * 1e3:.3g}" for s in STAGES)
+    return row(SUITE, f"DDTree {spec} B={budget} tokens/s", rate, "tok/s", peer="engine AR", peer_value=ar_rate,
+               note=f"tau {result.mean_tau:.2f}; {step * 1e3:.3g} ms/step ({stages} ms); "
+                    f"{same}/{new_tokens} tokens = AR")
+
+
+def _count_experts(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) -> tuple[list, list]:
+    """(AR forwards, DDTree verify forwards) of an instrumented AR run and an oracle run at the first budget,
+    each forward (s, cache length, distinct routed experts per MoE layer), the prefills left out."""
     progress("e2e: counting distinct experts per step (instrumented pass)")
     counter = ExpertCounter(model)
     try:
-        generate(model, prompt, 2 if quick else 16, mode="ar", **run_args)
+        generate(model, plan.prompt, 2 if plan.quick else 16, mode="ar", **plan.run_args)
         ar_forwards = counter.forwards[1:]  # [0] is the prefill
         counter.forwards = []
-        first = budgets[0]
-        drafter = parse_drafter("oracle").build(golden, block - 1, min(first, cfg.vocab_size), cfg.vocab_size)
-        generate(model, prompt, 2 if quick else new_tokens, mode="ddtree", drafter=drafter, budget=first, **run_args)
+        first = plan.budgets[0]
+        drafter = parse_drafter("oracle").build(golden, plan.block - 1, min(first, cfg.vocab_size), cfg.vocab_size)
+        generate(model, plan.prompt, 2 if plan.quick else plan.new_tokens, mode="ddtree", drafter=drafter,
+                 budget=first, **plan.run_args)
         verify_forwards = counter.forwards[1:]
     finally:
         counter.remove()
+    return ar_forwards, verify_forwards
+
+
+def _roofline_rows(cfg: ModelConfig, plan: _Plan, bandwidth: float, ar_forwards: list, verify_forwards: list,
+                   ar_step: float, ar_rate: float, oracle) -> list[dict]:
+    """The AR step and the oracle's verify step against their memory rooflines, and the speed-up the two
+    rooflines and the oracle's tau predict."""
+    quick, first = plan.quick, plan.budgets[0]
     ar_roof = np.mean([step_bytes(cfg, s, p, d) for s, p, d in ar_forwards]) / bandwidth
     verify_roof = np.mean([step_bytes(cfg, s, p, d) for s, p, d in verify_forwards]) / bandwidth
     verify_experts = np.mean([np.mean(d) for _, _, d in verify_forwards]) if cfg.has_moe else 0.0
     ar_experts = np.mean([np.mean(d) for _, _, d in ar_forwards]) if cfg.has_moe else 0.0
     target = f"<= {ROOFLINE_FACTOR:g}x roofline"
-    rows.append(row(SUITE, "AR step vs roofline", ar_step * 1e3, "ms", peer="memory roofline",
-                    peer_value=ar_roof * 1e3, ratio=ar_roof / ar_step, target=target,
-                    ok=None if quick else ar_step <= ROOFLINE_FACTOR * ar_roof,
-                    note=f"whole AR step; {ar_experts:.1f} distinct experts/layer; ratio = roofline / measured"))
-    oracle = ddtree["oracle", budgets[0]]
     verify_step = oracle.stage_times["verify"] / oracle.steps
-    rows.append(row(SUITE, f"DDTree verify step B={budgets[0]} vs roofline", verify_step * 1e3, "ms",
-                    peer="memory roofline", peer_value=verify_roof * 1e3, ratio=verify_roof / verify_step,
-                    target=target, ok=None if quick else verify_step <= ROOFLINE_FACTOR * verify_roof,
-                    note=f"verify stage (forward + token choice); {verify_experts:.1f} distinct experts/layer"))
     oracle_rate, _ = decode_rate(oracle)
     predicted = oracle.mean_tau * ar_roof / verify_roof
-    rows.append(row(SUITE, f"DDTree oracle B={budgets[0]} / AR speed-up", oracle_rate / ar_rate, "x",
-                    peer="roofline prediction", peer_value=predicted, ratio=None, target="> 1x",
-                    ok=None if quick else oracle_rate > ar_rate,
-                    note=f"prediction = tau {oracle.mean_tau:.2f} x AR roofline / verify roofline"))
-
-    rows.extend(_hf_rows(cfg, tensors, prompt, new_tokens, ar, ar_rate, quick))
-    release_tensors(quick)
-    return rows
+    return [
+        row(SUITE, "AR step vs roofline", ar_step * 1e3, "ms", peer="memory roofline",
+            peer_value=ar_roof * 1e3, ratio=ar_roof / ar_step, target=target,
+            ok=None if quick else ar_step <= ROOFLINE_FACTOR * ar_roof,
+            note=f"whole AR step; {ar_experts:.1f} distinct experts/layer; ratio = roofline / measured"),
+        row(SUITE, f"DDTree verify step B={first} vs roofline", verify_step * 1e3, "ms",
+            peer="memory roofline", peer_value=verify_roof * 1e3, ratio=verify_roof / verify_step,
+            target=target, ok=None if quick else verify_step <= ROOFLINE_FACTOR * verify_roof,
+            note=f"verify stage (forward + token choice); {verify_experts:.1f} distinct experts/layer"),
+        row(SUITE, f"DDTree oracle B={first} / AR speed-up", oracle_rate / ar_rate, "x",
+            peer="roofline prediction", peer_value=predicted, ratio=None, target="> 1x",
+            ok=None if quick else oracle_rate > ar_rate,
+            note=f"prediction = tau {oracle.mean_tau:.2f} x AR roofline / verify roofline"),
+    ]
 
 
 def _hf_rows(cfg, tensors, prompt, new_tokens, ar, ar_rate, quick) -> list[dict]:
