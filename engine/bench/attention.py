@@ -41,6 +41,25 @@ def _torch_attention(torch, q_cat, cache, bias, heads, latent, scale):
     return (torch.softmax(scores, dim=-1).view(s * heads, -1) @ cache[:, :latent])
 
 
+def _time_torch_peer(torch, q_lat, q_pe, layer, prefix_len: int, visible: np.ndarray, scale: float,
+                     result: np.ndarray) -> tuple[float, float]:
+    """(seconds of torch's masked attention on the same inputs, its max |difference| from ``result``);
+    raises past 1e-3."""
+    tokens, heads, latent = result.shape
+    rope = q_pe.shape[2]
+    t_cache = torch.as_tensor(layer, device="cuda")
+    q_cat = torch.cat([torch.as_tensor(q_lat, device="cuda"), torch.as_tensor(q_pe, device="cuda")],
+                      dim=-1).reshape(tokens * heads, latent + rope)
+    bias = torch.zeros((tokens, prefix_len + tokens), device="cuda")
+    bias[:, prefix_len:].masked_fill_(~torch.as_tensor(visible, device="cuda"), float("-inf"))
+    peer = time_gpu(lambda: _torch_attention(torch, q_cat, t_cache, bias, heads, latent, scale), warmup=2, repeats=10)
+    want = _torch_attention(torch, q_cat, t_cache, bias, heads, latent, scale).cpu().numpy()
+    err = float(np.abs(want.reshape(result.shape) - result).max())
+    if err > 1e-3:
+        raise RuntimeError(f"attention: ours and torch differ by {err:.3g} (P={prefix_len}, s={tokens})")
+    return peer, err
+
+
 def run(quick: bool = False) -> list[dict]:
     heads, latent, rope = (2, 16, 4) if quick else (64, 512, 64)
     contexts = (8,) if quick else (1024, 8192, 32768)
@@ -72,17 +91,7 @@ def run(quick: bool = False) -> list[dict]:
             achieved = flops / ours
             peer_value, ratio, note = None, None, ""
             if torch is not None:
-                t_cache = torch.as_tensor(layer, device="cuda")
-                q_cat = torch.cat([torch.as_tensor(q_lat, device="cuda"), torch.as_tensor(q_pe, device="cuda")],
-                                  dim=-1).reshape(tokens * heads, latent + rope)
-                bias = torch.zeros((tokens, prefix_len + tokens), device="cuda")
-                bias[:, prefix_len:].masked_fill_(~torch.as_tensor(visible, device="cuda"), float("-inf"))
-                peer = time_gpu(lambda: _torch_attention(torch, q_cat, t_cache, bias, heads, latent, scale),
-                                warmup=2, repeats=10)
-                want = _torch_attention(torch, q_cat, t_cache, bias, heads, latent, scale).cpu().numpy()
-                err = float(np.abs(want.reshape(result.shape) - result).max())
-                if err > 1e-3:
-                    raise RuntimeError(f"attention: ours and torch differ by {err:.3g} (P={prefix_len}, s={tokens})")
+                peer, err = _time_torch_peer(torch, q_lat, q_pe, layer, prefix_len, visible, scale, result)
                 peer_value, ratio = flops / peer / 1e12, peer / ours
                 note = f"ours {ours * 1e3:.3g} ms, torch {peer * 1e3:.3g} ms, max|diff| {err:.1e}; "
             fraction = achieved / peak

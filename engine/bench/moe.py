@@ -35,6 +35,39 @@ def _torch_moe(torch, x_bf16, groups, weights, gate_up, down, out):
     return out
 
 
+def _expert_weights(torch, experts: int, d: int, f: int, rng: np.random.Generator):
+    """(gate_up, down) bf16 bits as device arrays [e, 2f, d] / [e, d, f], and the same as torch tensors
+    (None without torch). With torch the 34 GB of bf16 weights are generated on the GPU."""
+    if torch is None:
+        bits = lambda a: (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+        gate_up = cuda.to_device(bits(rng.standard_normal((experts, 2 * f, d)) * d ** -0.5))
+        down = cuda.to_device(bits(rng.standard_normal((experts, d, f)) * f ** -0.5))
+        return gate_up, down, None, None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gate_up_t = torch.randn((experts, 2 * f, d), generator=gen, device="cuda", dtype=torch.bfloat16).mul_(d ** -0.5)
+    down_t = torch.randn((experts, d, f), generator=gen, device="cuda", dtype=torch.bfloat16).mul_(f ** -0.5)
+    gate_up, down = cuda.as_cuda_array(gate_up_t.view(torch.int16)), cuda.as_cuda_array(down_t.view(torch.int16))
+    return gate_up, down, gate_up_t, down_t
+
+
+def _time_torch_peer(torch, x_host, ids, weights, gate_up_t, down_t, result) -> tuple[float, float]:
+    """(seconds of the torch loop, its max relative difference from ``result``); raises past 5%."""
+    tokens, d = x_host.shape
+    x_bf16 = torch.as_tensor(x_host, device="cuda").to(torch.bfloat16)
+    w_t = torch.as_tensor(weights, device="cuda")
+    groups = []
+    for expert in np.unique(ids):
+        tok, slot = np.nonzero(ids == expert)
+        groups.append((int(expert), torch.as_tensor(tok, device="cuda"), torch.as_tensor(slot, device="cuda")))
+    out_t = torch.empty((tokens, d), device="cuda", dtype=torch.float32)
+    peer = time_gpu(lambda: _torch_moe(torch, x_bf16, groups, w_t, gate_up_t, down_t, out_t), warmup=2, repeats=10)
+    want = out_t.cpu().numpy()
+    err = float(np.abs(want - result).max() / max(np.abs(want).max(), 1e-30))
+    if err > 0.05:  # torch rounds activations to bf16: a few 1e-3 relative is expected
+        raise RuntimeError(f"moe: ours and torch differ by {err:.3g} relative ({tokens} tokens)")
+    return peer, err
+
+
 def run(quick: bool = False) -> list[dict]:
     experts, k, d, f = (4, 2, 16, 8) if quick else (384, 8, 7168, 2048)
     token_counts = (1, 4) if quick else (1, 8, 64, 256)
@@ -42,16 +75,7 @@ def run(quick: bool = False) -> list[dict]:
     bandwidth = ceilings(quick)["copy_bytes_per_s"]
     rng = np.random.default_rng(0)
     progress(f"moe: weights e={experts} d={d} f={f} bf16")
-    if torch is not None:  # 34 GB of bf16 weights: generate them on the GPU
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        gate_up_t = torch.randn((experts, 2 * f, d), generator=gen, device="cuda", dtype=torch.bfloat16).mul_(d ** -0.5)
-        down_t = torch.randn((experts, d, f), generator=gen, device="cuda", dtype=torch.bfloat16).mul_(f ** -0.5)
-        gate_up = cuda.as_cuda_array(gate_up_t.view(torch.int16))
-        down = cuda.as_cuda_array(down_t.view(torch.int16))
-    else:
-        bits = lambda a: (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
-        gate_up = cuda.to_device(bits(rng.standard_normal((experts, 2 * f, d)) * d ** -0.5))
-        down = cuda.to_device(bits(rng.standard_normal((experts, d, f)) * f ** -0.5))
+    gate_up, down, gate_up_t, down_t = _expert_weights(torch, experts, d, f, rng)
     expert_bytes = 3 * d * f * 2
     rows = []
     for tokens in token_counts:
@@ -71,19 +95,7 @@ def run(quick: bool = False) -> list[dict]:
         note = f"{distinct} distinct experts; ours {ours * 1e3:.3g} ms; {100 * fraction:.1f}% of copy bandwidth"
         peer_value = ratio = None
         if torch is not None:
-            x_bf16 = torch.as_tensor(x_host, device="cuda").to(torch.bfloat16)
-            w_t = torch.as_tensor(weights, device="cuda")
-            groups = []
-            for expert in np.unique(ids):
-                tok, slot = np.nonzero(ids == expert)
-                groups.append((int(expert), torch.as_tensor(tok, device="cuda"), torch.as_tensor(slot, device="cuda")))
-            out_t = torch.empty((tokens, d), device="cuda", dtype=torch.float32)
-            peer = time_gpu(lambda: _torch_moe(torch, x_bf16, groups, w_t, gate_up_t, down_t, out_t), warmup=2,
-                            repeats=10)
-            want = out_t.cpu().numpy()
-            err = float(np.abs(want - result).max() / max(np.abs(want).max(), 1e-30))
-            if err > 0.05:  # torch rounds activations to bf16: a few 1e-3 relative is expected
-                raise RuntimeError(f"moe: ours and torch differ by {err:.3g} relative ({tokens} tokens)")
+            peer, err = _time_torch_peer(torch, x_host, ids, weights, gate_up_t, down_t, result)
             peer_value, ratio = distinct * expert_bytes / peer / 1e9, peer / ours
             note += f"; torch {peer * 1e3:.3g} ms, max rel diff {err:.1e}"
         target = ok = None
