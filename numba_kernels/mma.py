@@ -637,20 +637,36 @@ def _address(array) -> int:
     return 0 if ON_SIMULATOR else (array.device_ctypes_pointer.value or 0)
 
 
-def gemm_tf32x3(a, b, c, n: int, k: int, alpha: float = 1.0, b_k_contiguous: bool = True, splits: int = 1,
-                config: GemmConfig = DEFAULT_GEMM, stream=0, fusion: str = "none", scale=None, scale_width: int = 0,
-                partials=None, visibility=None, heads: int = 1, prefix_len: int = 0, key_visible=None, a2=None):
-    """c[z, i, j] = alpha * sum over split z's k range of A(i, kk) * B(kk, j), i < m, j < n (the rest of c
-    untouched). Device arrays, C-contiguous float32: A = a [m, lda >= k], or with a2 the columns of a [m, lda]
-    then those of a2 [m, lda2] (A(i, kk) = a[i, kk] for kk < lda, a2[i, kk - lda] after: attention's
-    [q_lat | q_pe] without a copy; a and a2 may come as [..., lda], their leading dimensions making m);
-    b [>= n, ldb >= k] with B(kk, j) = b[j, kk] (b_k_contiguous) or [>= k, ldb >= n] with B(kk, j) = b[kk, j];
-    c [splits, m, ldc >= n].
-    The k range is split in `splits` parts of whole block_k chunks (a trailing split may be empty: zeros).
-    16-byte aligned operands with row lengths (and lda, with a2) multiples of 4 copy 16 bytes at a time (else 4).
-    Softmax fusions (gemm_kernel): "scores" needs partials float32 [m, softmax_parts(config, n), 2],
-    visibility uint32 [s, words], heads, prefix_len, key_visible; "scaled" needs scale float32 [m, parts]
-    and scale_width (a multiple of block_k; parts * scale_width >= k)."""
+class ScoresFusion(NamedTuple):
+    """gemm_tf32x3's "scores" fusion (gemm_kernel): masked by key_visible(token, key, prefix_len, visibility)
+    with token = row // heads, exponentiated, each warp's (max, sum) written to partials."""
+    partials: object  # float32 [m, softmax_parts(config, n), 2]
+    visibility: object  # uint32 [s, words]
+    heads: int
+    prefix_len: int
+    key_visible: object  # a device function
+
+
+class ScaledFusion(NamedTuple):
+    """gemm_tf32x3's "scaled" fusion (gemm_kernel): the chunk sums of row i over k in [p * width, (p + 1) *
+    width) scaled by scale[i, p]."""
+    scale: object  # float32 [m, parts], parts * width >= k
+    width: int  # a multiple of block_k
+
+
+class _Operands(NamedTuple):
+    """A's rows m, a's row length lda, a2 (a itself when A is a alone) and its row length, the column where
+    A switches from a to a2, and b's row length."""
+    m: int
+    lda: int
+    a2: object
+    lda2: int
+    k_split: int
+    ldb: int
+
+
+def _check_operands(a, a2, b, c, n: int, k: int, splits: int, b_k_contiguous: bool) -> _Operands:
+    """gemm_tf32x3's arrays checked against n, k and splits (one-line ValueErrors)."""
     for name, array in (("a", a), ("b", b), ("c", c)) + ((("a2", a2),) if a2 is not None else ()):
         if array.dtype != np.float32 or not array.is_c_contiguous():
             raise ValueError(f"{name} must be a C-contiguous float32 device array, got {array.dtype}")
@@ -673,31 +689,53 @@ def gemm_tf32x3(a, b, c, n: int, k: int, alpha: float = 1.0, b_k_contiguous: boo
         raise ValueError(f"a [{m}, {lda}] (+ a2) / b {list(b.shape)} too small for n={n}, k={k}")
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    k_per_split = -(-max(k, 1) // splits)
-    k_per_split = -(-k_per_split // config.block_k) * config.block_k
-    if m == 0 or n == 0:
-        return c
+    return _Operands(m, lda, a2, lda2, k_split, ldb)
+
+
+def _fusion_arguments(fusion, config: GemmConfig, m: int, n: int, k: int, splits: int) -> tuple:
+    """(gemm_kernel's fusion name, key_visible or None, and the kernel's seven fusion arguments: scale,
+    scale_parts, scale_width, partials, visibility, heads, prefix_len), placeholders where unused."""
     unused_scale, unused_partials, unused_visibility = _unused_arrays()
-    scale_parts = 0
-    if fusion == "scores":
-        if splits != 1 or partials is None or tuple(partials.shape) != (m, softmax_parts(config, n), 2):
+    if fusion is None:
+        return "none", None, (unused_scale, 0, 1, unused_partials, unused_visibility, 1, 0)
+    if isinstance(fusion, ScoresFusion):
+        if splits != 1 or fusion.partials is None or tuple(fusion.partials.shape) != (m, softmax_parts(config, n), 2):
             raise ValueError(f"'scores' needs splits 1 and partials [{m}, {softmax_parts(config, n)}, 2]")
-        scale = unused_scale
-    elif fusion == "scaled":
-        if (scale is None or len(scale.shape) != 2 or scale.shape[0] != m or scale_width <= 0
-                or scale_width % config.block_k or scale.shape[1] * scale_width < k):
+        return "scores", fusion.key_visible, (unused_scale, 0, 1, fusion.partials, fusion.visibility, fusion.heads,
+                                              fusion.prefix_len)
+    if isinstance(fusion, ScaledFusion):
+        scale, width = fusion
+        if (scale is None or len(scale.shape) != 2 or scale.shape[0] != m or width <= 0
+                or width % config.block_k or scale.shape[1] * width < k):
             raise ValueError(f"'scaled' needs scale [{m}, >= ceil(k / scale_width)] and scale_width a multiple "
                              f"of block_k {config.block_k}")
-        scale_parts = scale.shape[1]
-        partials, visibility = unused_partials, unused_visibility
-    else:
-        scale, partials, visibility = unused_scale, unused_partials, unused_visibility
-    aligned = (lda % 4 == 0 and lda2 % 4 == 0 and ldb % 4 == 0 and k_split % 4 == 0 and _address(a) % 16 == 0
-               and _address(a2) % 16 == 0 and _address(b) % 16 == 0)
-    kernel = gemm_kernel(config, bool(b_k_contiguous), fusion, key_visible if fusion == "scores" else None, aligned)
+        return "scaled", None, (scale, scale.shape[1], width, unused_partials, unused_visibility, 1, 0)
+    raise ValueError(f"fusion must be None, ScoresFusion or ScaledFusion, got {fusion!r}")
+
+
+def gemm_tf32x3(a, b, c, n: int, k: int, *, alpha: float = 1.0, b_k_contiguous: bool = True, splits: int = 1,
+                config: GemmConfig = DEFAULT_GEMM, stream=0, fusion: ScoresFusion | ScaledFusion | None = None,
+                a2=None):
+    """c[z, i, j] = alpha * sum over split z's k range of A(i, kk) * B(kk, j), i < m, j < n (the rest of c
+    untouched). Device arrays, C-contiguous float32: A = a [m, lda >= k], or with a2 the columns of a [m, lda]
+    then those of a2 [m, lda2] (A(i, kk) = a[i, kk] for kk < lda, a2[i, kk - lda] after: attention's
+    [q_lat | q_pe] without a copy; a and a2 may come as [..., lda], their leading dimensions making m);
+    b [>= n, ldb >= k] with B(kk, j) = b[j, kk] (b_k_contiguous) or [>= k, ldb >= n] with B(kk, j) = b[kk, j];
+    c [splits, m, ldc >= n].
+    The k range is split in `splits` parts of whole block_k chunks (a trailing split may be empty: zeros).
+    16-byte aligned operands with row lengths (and lda, with a2) multiples of 4 copy 16 bytes at a time (else 4).
+    fusion: None (plain GEMM), ScoresFusion or ScaledFusion (softmax around attention's GEMMs, gemm_kernel)."""
+    ops = _check_operands(a, a2, b, c, n, k, splits, b_k_contiguous)
+    k_per_split = -(-max(k, 1) // splits)
+    k_per_split = -(-k_per_split // config.block_k) * config.block_k
+    if ops.m == 0 or n == 0:
+        return c
+    name, key_visible, fusion_args = _fusion_arguments(fusion, config, ops.m, n, k, splits)
+    aligned = (ops.lda % 4 == 0 and ops.lda2 % 4 == 0 and ops.ldb % 4 == 0 and ops.k_split % 4 == 0
+               and _address(a) % 16 == 0 and _address(ops.a2) % 16 == 0 and _address(b) % 16 == 0)
+    kernel = gemm_kernel(config, bool(b_k_contiguous), name, key_visible, aligned)
     # arrays go whole (the launcher passes a C-contiguous array as the kernel's flat parameter: no reshapes)
-    launcher_for(kernel)(gemm_grid(config, m, n, splits), (config.threads, 1, 1), stream,
-                         config.shared_bytes(b_k_contiguous), a, a2, b, c, m, n, k, lda, lda2, k_split, ldb,
-                         c.shape[2], alpha, k_per_split, scale, scale_parts, max(scale_width, 1), partials, visibility,
-                         heads, prefix_len)
+    launcher_for(kernel)(gemm_grid(config, ops.m, n, splits), (config.threads, 1, 1), stream,
+                         config.shared_bytes(b_k_contiguous), a, ops.a2, b, c, ops.m, n, k, ops.lda, ops.lda2,
+                         ops.k_split, ops.ldb, c.shape[2], alpha, k_per_split, *fusion_args)
     return c

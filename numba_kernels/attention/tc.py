@@ -33,7 +33,14 @@ from numba import cuda, float32, uint32
 from kdspec.numba_kernels.attention.common import checked_inputs, key_visible
 from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.launch import launch, stream_key
-from kdspec.numba_kernels.mma import DEFAULT_GEMM, GemmConfig, gemm_tf32x3, softmax_parts
+from kdspec.numba_kernels.mma import (
+    DEFAULT_GEMM,
+    GemmConfig,
+    ScaledFusion,
+    ScoresFusion,
+    gemm_tf32x3,
+    softmax_parts,
+)
 from kdspec.numba_kernels.reductions import block_max, block_sum
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, row_blocks
 
@@ -242,11 +249,10 @@ def mla_attention_tc(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scal
                       stream=stream, **score_a)
     value_gemm = dict(b_k_contiguous=False, config=config.value, stream=stream)
     if config.fused_softmax:
-        gemm_tf32x3(**score_gemm, fusion="scores", partials=partials, visibility=visibility, heads=heads,
-                    prefix_len=prefix_len, key_visible=key_visible)
+        gemm_tf32x3(**score_gemm, fusion=ScoresFusion(partials, visibility, heads, prefix_len, key_visible))
         launch(merge_partials_kernel, row_blocks(rows), ROW_THREADS, stream, partials.reshape(-1), rows, parts,
                scales.reshape(-1))
-        value_gemm.update(fusion="scaled", scale=scales, scale_width=config.score.block_n // config.score.warps_n)
+        value_gemm.update(fusion=ScaledFusion(scales, width=config.score.block_n // config.score.warps_n))
     else:
         gemm_tf32x3(**score_gemm)
         launch(masked_softmax_kernel, row_blocks(rows), ROW_THREADS, stream, scores.reshape(-1), rows, keys,

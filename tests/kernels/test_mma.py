@@ -11,6 +11,8 @@ from kdspec.numba_kernels.mma import (
     DEFAULT_GEMM,
     SIM_SCRATCH_PER_WARP,
     GemmConfig,
+    ScaledFusion,
+    ScoresFusion,
     gemm_tf32x3,
     mma_tf32,
     tf32_round,
@@ -198,8 +200,8 @@ def scaled_gemm_vs_float64(m, n, k, width, seed):
     b = rng.standard_normal((k, n)).astype(np.float32)
     scale = rng.random((m, -(-k // width))).astype(np.float32)
     c = cuda.to_device(np.full((1, m, n), np.nan, np.float32))
-    gemm_tf32x3(cuda.to_device(a), cuda.to_device(b), c, n, k, b_k_contiguous=False, fusion="scaled",
-                scale=cuda.to_device(scale), scale_width=width)
+    gemm_tf32x3(cuda.to_device(a), cuda.to_device(b), c, n, k, b_k_contiguous=False,
+                fusion=ScaledFusion(cuda.to_device(scale), width))
     want = (a.astype(np.float64) * np.repeat(scale.astype(np.float64), width, axis=1)[:, :k]) @ b.astype(np.float64)
     return c.copy_to_host()[0], want
 
@@ -250,8 +252,13 @@ def test_gemm_rejects_bad_shapes_and_configs():
     with pytest.raises(ValueError, match="227 KB"):
         GemmConfig(block_m=256, block_n=256, block_k=32, warps_m=2, warps_n=4, stages=4).check()
     with pytest.raises(ValueError, match="'scaled' needs scale"):
-        gemm_tf32x3(a, b, cuda.to_device(np.zeros((1, 4, 5), np.float32)), 5, 8, fusion="scaled",
-                    scale=cuda.to_device(np.zeros((4, 1), np.float32)), scale_width=DEFAULT_GEMM.block_k + 1)
+        gemm_tf32x3(a, b, cuda.to_device(np.zeros((1, 4, 5), np.float32)), 5, 8,
+                    fusion=ScaledFusion(cuda.to_device(np.zeros((4, 1), np.float32)), DEFAULT_GEMM.block_k + 1))
+    with pytest.raises(ValueError, match="'scores' needs splits 1"):
+        gemm_tf32x3(a, b, cuda.to_device(np.zeros((2, 4, 5), np.float32)), 5, 8, splits=2,
+                    fusion=ScoresFusion(cuda.to_device(np.zeros((4, 1, 2), np.float32)), None, 1, 0, None))
+    with pytest.raises(ValueError, match="fusion must be"):
+        gemm_tf32x3(a, b, cuda.to_device(np.zeros((1, 4, 5), np.float32)), 5, 8, fusion="scaled")
 
 
 @pytest.mark.gpu
