@@ -102,12 +102,8 @@ class TraceSession:
         stop = num_steps if stop is None else min(int(stop), num_steps)
         start = previous.rows if previous is not None and previous.rows <= stop else 0
         names = LIST_COLUMNS + PATH_COLUMNS
-        many = getattr(reader, "fields", None)  # one pass over the rows when the reader offers it
-        if callable(many):
-            # The stage timings ride along in the same pass: the reader caches them for the run view.
-            values = dict(many(names + STAGE_COLUMNS, start, stop))
-        else:
-            values = {n: np.asarray(_read_field(reader, n))[start:stop] for n in names}
+        # one pass over the rows; the stage timings ride along (the reader caches them for the run view)
+        values = dict(reader.fields(names + STAGE_COLUMNS, start, stop))
         new = {name: np.asarray(values[name]) for name in names}
         for name in PATH_COLUMNS:
             if new[name].ndim == 1:
@@ -123,9 +119,6 @@ class TraceSession:
         self.columns, self.flags, self.num_steps = loaded.columns, loaded.flags, loaded.num_steps
         self.rows = loaded.rows
         self.loaded = loaded.rows == loaded.num_steps
-
-    def load_columns(self) -> None:
-        self.install(self.read_columns())
 
     def read_stage_times(self) -> dict[str, np.ndarray]:
         """Per-step stage timings {column: float64 [S]} (read when the run view first needs them)."""
@@ -146,9 +139,6 @@ class TraceSession:
     def step(self, index: int):
         """The full StepRecord of step ``index`` (reads only that step)."""
         return self.reader.step(index)
-
-    def summary(self):
-        return self.reader.summary()
 
     def close(self) -> None:
         close = getattr(self.reader, "close", None)
@@ -216,14 +206,6 @@ class TraceSession:
             self._text_cache = (self.columns, "".join(pieces), starts)
         return self._text_cache[1], self._text_cache[2]
 
-    def step_of_position(self, position: int) -> Optional[int]:
-        """The step that committed the token at absolute position ``position`` (P < position <= P+tau)."""
-        prefix = self.columns["prefix_len"]
-        index = int(np.searchsorted(prefix, position, side="left")) - 1
-        if 0 <= index < self.num_steps and position <= prefix[index] + self.columns["tau"][index]:
-            return index
-        return None
-
 
 @dataclass
 class Columns:
@@ -237,12 +219,6 @@ class Columns:
     @property
     def rows(self) -> int:
         return len(self.flags)
-
-
-def _read_field(reader, name: str) -> np.ndarray:
-    if name in PATH_COLUMNS:
-        return reader.field(name)
-    return reader.column(name)
 
 
 def compute_flags(columns: dict, thresholds: Thresholds, mode: str) -> np.ndarray:
