@@ -165,8 +165,3 @@ def decode(model: ReferenceModel, prompt_ids, max_new_tokens: int, temperature: 
         step_logits = model.forward(cache, tokens[i:i + 1], np.array([p + i]))[0]
         model.commit(cache, 1)
     return GoldenRun(tokens, logits, cache)
-
-
-def greedy_decode(model: ReferenceModel, prompt_ids, max_new_tokens: int) -> GoldenRun:
-    """decode() at temperature 0 (the name docs/architecture.md uses)."""
-    return decode(model, prompt_ids, max_new_tokens)

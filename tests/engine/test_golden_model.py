@@ -492,7 +492,7 @@ def test_decode_tokens_logits_and_cache(model, temperature):
     for layer in range(cfg.num_hidden_layers):
         assert np.abs(run.cache.c[layer] - check.c[layer]).max() <= TOL
     if temperature == 0:
-        assert np.array_equal(R.greedy_decode(model, prompt, 10).tokens, run.tokens)
+        assert np.array_equal(R.decode(model, prompt, 10).tokens, run.tokens)  # the default is greedy, seed unused
 
 
 # -------------------------------------------------------------------------------------------- bad input
