@@ -87,19 +87,6 @@ def time_gpu(fn: Callable[[], object], warmup: int = 2, repeats: int = 10) -> fl
     return statistics.median(times)
 
 
-def time_host(fn: Callable[[], object], warmup: int = 1, repeats: int = 3) -> float:
-    """Median wall seconds of ``fn()`` (host code, or GPU code that synchronizes itself)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 # ------------------------------------------------------------------------------------------- ceilings
 FMA_CHAINS = 8          # independent accumulators per thread: hides the FMA latency
 FMA_UNROLL = 4          # each loop trip runs FMA_CHAINS * FMA_UNROLL FMAs
