@@ -102,7 +102,6 @@ else:  # the H200 sweep's fastest (tools/sweeps/attention.py, 2026-11-29): 64 x 
     #    32 x 64 tiles on 256 threads (P=1024 s=1: 0.49 ms vs 0.59; P=8192 s=1: 0.51 vs 0.67)
     DEFAULT_CONFIG = TileConfig(rows=64, keys=128, d_chunk=16, v_chunk=4, s_rows=4, s_keys=4, o_cols=8, threads=512)
     FEW_TOKENS_CONFIG = TileConfig(rows=32, keys=64, d_chunk=16, v_chunk=4, s_rows=2, s_keys=4, o_cols=8)
-ROW_TILE = DEFAULT_CONFIG.rows
 
 
 @functools.lru_cache(maxsize=None)

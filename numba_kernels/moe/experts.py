@@ -4,7 +4,7 @@ Four small kernels, no Python loop over experts, nothing copied back to the host
 1. ``_plan_pairs`` (one block): counting sort of the s*k (token, slot) pairs by expert -> expert_offsets [e+1],
    sorted_pairs [P] (pair p = token*k + slot, ascending within each expert), active_experts (ascending).
 2. ``gate_up`` (grid: f row tiles x active experts): act[row, f] = silu(gate x) * up x for every pair of the
-   expert, so each expert's gate/up rows are read once per launch for all its tokens (up to TOKENS_PER_PASS).
+   expert, so each expert's gate/up rows are read once per launch for all its tokens (up to tokens_per_pass).
 3. ``down`` (grid: d row tiles x active experts): per-pair outputs pair_out[P, d] = down_e(act[row]).
 4. ``_combine_slots``: y[t] = (y[t] if accumulate) + sum over slots, in slot order, of w[t, slot] * pair_out.
    No float atomics: the result does not depend on scheduling.
@@ -12,7 +12,7 @@ Four small kernels, no Python loop over experts, nothing copied back to the host
 Each warp owns a few weight rows. Its lanes stride over the row one "word" at a time: VEC consecutive columns
 read by one load (fp32: 1; bf16: 2 as uint32, 4 as uint64, 8 as one 16-byte load of two uint64), UNROLL words
 per loop trip, all loads of a trip issued before the FMAs so many bytes are in flight per lane. Partial sums
-for up to TOKENS_PER_PASS tokens stay in registers (tokens past the expert's count are skipped, not padded)
+for up to tokens_per_pass tokens stay in registers (tokens past the expert's count are skipped, not padded)
 and are reduced across the warp (shuffles on a GPU, shared memory under the simulator, which has none).
 The widest word the weights allow is used: bf16 with columns % 8 == 0 and 16-byte aligned data (d = 7168,
 f = 2048 are), else % 4 and 8-byte aligned, else uint32 pairs. Activations are read the same width.
@@ -80,7 +80,6 @@ class ExpertsConfig:
 DEFAULT_CONFIG = (ExpertsConfig(1, 32, 64, 1, 1) if ON_SIMULATOR else
                   ExpertsConfig(warps_per_block=8, gate_rows_per_warp=2, down_rows_per_warp=4, unroll=2,
                                 tokens_per_pass=4, streaming=True))
-TOKENS_PER_PASS = DEFAULT_CONFIG.tokens_per_pass
 
 
 def default_config(n_pairs: int, n_experts: int) -> ExpertsConfig:

@@ -11,7 +11,7 @@ from kdspec.engine.model.config import PRESETS
 from kdspec.engine.model.weights import random_weights
 from kdspec.numba_kernels.host_arrays import weight_view
 from kdspec.numba_kernels.moe.experts import (
-    TOKENS_PER_PASS,
+    DEFAULT_CONFIG,
     ExpertPlan,
     ExpertsConfig,
     moe_experts,
@@ -182,7 +182,7 @@ def test_moe_experts_matches_float64_loop(weight_dtype):
     ids = np.stack([rng.permutation(e)[:k] for _ in range(s)]).astype(np.int32)
     ids[:, 1] = 4  # expert 4 takes all 5 tokens: two token chunks
     ids[ids == 7] = 0  # expert 7 unused
-    assert s > TOKENS_PER_PASS
+    assert s > DEFAULT_CONFIG.tokens_per_pass
     weights = rng.random((s, k)).astype(np.float32)
     w_gate_up, w_down = random_experts(rng, e, d, f)
     if weight_dtype == "float32":

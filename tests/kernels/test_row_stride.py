@@ -18,7 +18,7 @@ from kdspec.engine.model.config import PRESETS
 from kdspec.numba_kernels import runtime, sampling
 from kdspec.numba_kernels.attention.common import pack_visibility
 from kdspec.numba_kernels.attention.dispatch import mla_attention
-from kdspec.numba_kernels.attention.simt import ROW_TILE
+from kdspec.numba_kernels.attention import simt
 from kdspec.numba_kernels.embedding import embed_tokens
 from kdspec.numba_kernels.kv_write import write_kv_rows
 from kdspec.numba_kernels.moe.experts import moe_experts
@@ -146,7 +146,7 @@ def test_sampling_rows(row_block_limit):
 def test_attention_row_tiles_and_merge(row_block_limit, num_splits):
     rng = np.random.default_rng(4 + num_splits)
     tokens, heads, latent, rope, prefix = 6, 3, 16, 4, 5
-    assert tokens * heads > 2 * ROW_TILE  # 3 row tiles: with 2 blocks, block 0 loops over tiles 0 and 2
+    assert tokens * heads > 2 * simt.DEFAULT_CONFIG.rows  # 3 row tiles: with 2 blocks, block 0 loops over tiles 0 and 2
     visible = np.zeros((tokens, tokens), bool)
     for i in range(tokens):  # a random tree: ancestors and self
         if i:
