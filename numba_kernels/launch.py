@@ -1,11 +1,9 @@
 """Launch Numba kernels without Numba's per-call argument processing.
 
-Numba's dispatcher types every argument and wraps every array in a strided memory view on each launch: 63 us
-of host time for the 21-argument tensor-core GEMM on the H200's host. A call whose first kernel waits for that
-host time pays it in full (one tree-verify attention call at P=8192, s=64: 2.06 ms with Numba's launches).
-Here the parameters are packed into one reused buffer and handed to cuLaunchKernel: 21-23 us a GEMM launch
-inside the attention call, against 31-38 us through cuda.core's launch (measured 2026-11-29, two device
-sessions of .prof/s7_host.py).
+Numba's dispatcher types every argument and wraps every array in a strided memory view on each launch, tens
+of microseconds of host time for the 21-argument tensor-core GEMM; a call whose first kernel waits for that
+host time pays it in full. Here the parameters are packed into one reused buffer and handed to cuLaunchKernel,
+cheaper than both Numba's launch and cuda.core's (the figures: docs/benchmarks-history.md, sessions 5 and 6).
 
 The parameters follow Numba's kernel ABI for the types the kernel was compiled for: an array is (meminfo,
 parent, nitems, itemsize, data pointer, shape..., strides in bytes...) with meminfo and parent 0, as Numba's

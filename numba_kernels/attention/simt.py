@@ -97,9 +97,8 @@ if ON_SIMULATOR:  # every simulated thread is a Python thread: 8 threads; key ti
     # a dozen block barriers of ~1 ms there (4-key tiles made `kdtree demo`'s attention 1.9x slower)
     DEFAULT_CONFIG = TileConfig(rows=8, keys=16, d_chunk=4, v_chunk=2, s_rows=2, s_keys=8, o_cols=8, threads=8)
     FEW_TOKENS_CONFIG = DEFAULT_CONFIG
-else:  # the H200 sweep's fastest (tools/sweeps/attention.py, 2026-11-29): 64 x 128 tiles on 512 threads (o 8 x 8)
-    #    from s = 16 tokens up (P=8192 s=64: 6.96 ms vs 8.23 for 64 x 64 on 256); for AR and small trees
-    #    32 x 64 tiles on 256 threads (P=1024 s=1: 0.49 ms vs 0.59; P=8192 s=1: 0.51 vs 0.67)
+else:  # the fastest shapes of tools/sweeps/attention.py on the H200 (docs/benchmarks-history.md): 64 x 128
+    #    tiles on 512 threads (o 8 x 8) from s = 16 tokens up; 32 x 64 tiles on 256 threads for AR and small trees
     DEFAULT_CONFIG = TileConfig(rows=64, keys=128, d_chunk=16, v_chunk=4, s_rows=4, s_keys=4, o_cols=8, threads=512)
     FEW_TOKENS_CONFIG = TileConfig(rows=32, keys=64, d_chunk=16, v_chunk=4, s_rows=2, s_keys=4, o_cols=8)
 

@@ -73,10 +73,9 @@ class ExpertsConfig:
 
 
 # The simulator runs every thread as Python: one small warp per block, many rows per warp, one token a pass.
-# On the GPU: the fastest shape of the H200 sweep (tools/sweeps/moe.py, 19 shapes, 2026-11-29) at every token
-# count measured (s = 1, 8, 64, 256 of K2's 384 experts, top-8): 47%, 94%, 95%, 43% of the copy bandwidth.
-# Evict-first weight loads keep the activations (re-read by every warp) in the caches; more tokens a pass
-# (8, for s = 256) was slower than this shape at every s.
+# On the GPU: the fastest shape of tools/sweeps/moe.py on the H200 at every token count it measured (K2's 384
+# experts, top-8; figures in docs/benchmarks-history.md). Evict-first weight loads keep the activations
+# (re-read by every warp) in the caches; more tokens a pass (8, for s = 256) was slower at every s.
 DEFAULT_CONFIG = (ExpertsConfig(1, 32, 64, 1, 1) if ON_SIMULATOR else
                   ExpertsConfig(warps_per_block=8, gate_rows_per_warp=2, down_rows_per_warp=4, unroll=2,
                                 tokens_per_pass=4, streaming=True))
