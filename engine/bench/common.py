@@ -1,6 +1,6 @@
 """What every bench suite shares: result rows, timing, the two ceilings measured in the same run, a table.
 
-Rows are plain dicts with the keys of ``ROW_KEYS`` (kdtree_tui/benchmarks/tui.py uses the same format):
+Rows are plain dicts with the keys of ``ROW_KEYS`` (kdtree_tui/bench.py uses the same format):
 suite, metric, value, unit, peer (name of what we compare against, or None), peer_value, ratio (value over
 peer_value, oriented so that > 1 is better for us), target (a string such as ">= 100x", or None), ok (True /
 False against the target, None without one), note.
