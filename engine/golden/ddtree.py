@@ -146,6 +146,24 @@ def accept(parents: np.ndarray, tokens: np.ndarray, target_choice: np.ndarray) -
     return np.asarray(accepted, dtype=np.int32), int(target_choice[current])
 
 
+def compaction_moves(prefix_len: int, accepted) -> tuple[np.ndarray, np.ndarray]:
+    """The cache row moves of a step's compaction: (src, dst) int32 [tau], src = P+accepted[j], dst = P+j.
+
+    The one definition: the golden model's compact applies them, the decode loop records them.
+    """
+    accepted = np.asarray(accepted)
+    src = (prefix_len + accepted).astype(np.int32)
+    dst = (prefix_len + np.arange(len(accepted))).astype(np.int32)
+    return src, dst
+
+
+def move_rows(rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+    """rows[dst[j]] = rows[src[j]] for every j, in place, every source read before any destination is written."""
+    if len(src) and (src.max() >= rows.shape[0] or src.min() < 0):
+        raise ValueError(f"compaction source rows {src.min()}..{src.max()} outside the cache of {rows.shape[0]} rows")
+    rows[dst] = rows[src].copy()  # the copy: all sources read before any destination is written
+
+
 def compact_rows(rows: np.ndarray, prefix_len: int, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Move cache row P+accepted[j] to P+j for every j, in place, reading every source before writing.
 
@@ -154,12 +172,8 @@ def compact_rows(rows: np.ndarray, prefix_len: int, accepted: np.ndarray) -> tup
         prefix_len: P.
         accepted: int [tau], accepted node indices (starting with 0, increasing).
     Returns:
-        (src, dst) int32 [tau]: the row moves, src = P+accepted, dst = P+arange(tau).
+        (src, dst) int32 [tau]: the row moves (``compaction_moves``).
     """
-    accepted = np.asarray(accepted)
-    src = (prefix_len + accepted).astype(np.int32)
-    dst = (prefix_len + np.arange(len(accepted))).astype(np.int32)
-    if len(src) and (src.max() >= rows.shape[0] or src.min() < 0):
-        raise ValueError(f"compaction source rows {src.min()}..{src.max()} outside the cache of {rows.shape[0]} rows")
-    rows[dst] = rows[src].copy()  # the copy: all sources read before any destination is written
+    src, dst = compaction_moves(prefix_len, accepted)
+    move_rows(rows, src, dst)
     return src, dst

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kdspec.engine.golden.ddtree import compact_rows
+from kdspec.engine.golden.ddtree import compaction_moves, move_rows
 from kdspec.engine.golden.layers import (
     dense_mlp,
     f64,
@@ -126,8 +126,9 @@ class ReferenceModel:
                 or accepted.min() < 0 or accepted.max() >= cache.in_flight):
             raise ValueError(f"accepted must be non-empty integer node indices in 0..{cache.in_flight - 1}, "
                              f"got {accepted.tolist()}")
+        src, dst = compaction_moves(cache.length, accepted)
         for rows in cache.c + cache.k_pe:
-            compact_rows(rows, cache.length, accepted)
+            move_rows(rows, src, dst)
         cache.length += len(accepted)
         cache.in_flight = 0
 
