@@ -14,6 +14,10 @@ import tempfile
 import time
 
 
+# --save-logits stores [steps, L+1, V] floats: only for small vocabularies.
+MAX_SAVED_VOCAB = 4096
+
+
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
 
@@ -73,89 +77,89 @@ class _Progress:
             print(file=sys.stderr)
 
 
-def record_trace(model: str, out: str, *, prompt_ids: list[int], max_new_tokens: int, mode: str, drafter,
-                 block_size: int, budget: int, topk, temperature: float, seed: int, backend: str,
-                 force: bool = False, save_logits: bool = False, progress: bool = False,
-                 weight_dtype: str = "float32") -> dict:
-    """Load the model, run the golden and the engine, write every step to ``out``; returns a summary dict.
-    Raises UsageError for anything the user can fix."""
-    import numba
-    import numpy as np
+def record_trace(model: str, out: str, prompt_ids: list[int], config, *, backend: str = "auto",
+                 weight_dtype: str = "float32", force: bool = False, progress: bool = False) -> dict:
+    """Load the model, run the golden and the engine with ``config`` (engine.decode.config.DecodeConfig) and
+    write every step to ``out``; returns a summary dict. Raises UsageError for anything the user can fix."""
+    if os.path.exists(out) and not force:
+        raise UsageError(f"{out} exists (pass --force to overwrite it)")
+    engine, golden = _load_with_golden(model, prompt_ids, config, backend, weight_dtype)
+    writer = _open_writer(out, engine, model, prompt_ids, config, force)
+    result = _decode_into(writer, engine, prompt_ids, config, golden, progress)
+    return dict(out=out, backend=engine.backend, device=_device_name(engine.backend), steps=result.steps,
+                mean_tau=result.mean_tau, golden_match=result.golden_match, tokens=len(result.tokens),
+                elapsed=result.elapsed)
 
+
+def _load_with_golden(model: str, prompt_ids: list[int], config, backend: str, weight_dtype: str):
+    """(engine, golden run): the model loaded, the prompt and ``config`` checked against it, then the golden."""
     from kdspec.engine.decode import api
     from kdspec.engine.model.checkpoint import CheckpointError
     from kdspec.engine.model.config import ConfigError
-    from kdspec.traces import TraceError, TraceWriter
 
-    if os.path.exists(out) and not force:
-        raise UsageError(f"{out} exists (pass --force to overwrite it)")
-    if mode == "ar" and drafter is not None:
-        raise UsageError("--drafter is only used with --mode ddtree")
-    if mode == "ddtree" and drafter is None:
-        drafter = "oracle"
     try:
-        engine = api.load(model, backend=backend, seed=seed, weight_dtype=weight_dtype)
-        cfg = engine.cfg
-        if save_logits and cfg.vocab_size > 4096:
-            raise UsageError(f"--save-logits stores full logits: only for vocabularies up to 4096 (this one has "
-                             f"{cfg.vocab_size})")
-        topk_used = min(budget, cfg.vocab_size) if topk is None else topk
-        from kdspec.engine.decode.loop import check_generate_args
-        check_generate_args(cfg, np.asarray(prompt_ids, dtype=np.int64) if prompt_ids else np.zeros(0, np.int64),
-                            max_new_tokens, mode, block_size, budget, topk_used, temperature, seed)
-        if mode == "ddtree":
-            from kdspec.engine.decode.drafters import parse_drafter
-            parse_drafter(drafter)
-        reach = max_new_tokens + (block_size if mode == "ddtree" else 0)
-        golden = engine.golden(prompt_ids, min(reach, cfg.max_position_embeddings - len(prompt_ids)),
-                               temperature, seed)
+        engine = api.load(model, backend=backend, seed=config.seed, weight_dtype=weight_dtype)
+        if config.record_logits and engine.cfg.vocab_size > MAX_SAVED_VOCAB:
+            raise UsageError(f"--save-logits stores full logits: only for vocabularies up to {MAX_SAVED_VOCAB} "
+                             f"(this one has {engine.cfg.vocab_size})")
+        return engine, engine.golden_for(prompt_ids, config)
     except (ValueError, ConfigError, CheckpointError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
     except api.BackendUnavailable as e:
         raise UsageError(str(e)) from None
-    device = _device_name(engine.backend)
-    decode_config = dict(mode=mode, drafter=drafter, block_size=block_size if mode == "ddtree" else 1,
-                         budget=budget if mode == "ddtree" else 0, topk=topk_used, temperature=temperature,
-                         seed=seed, max_new_tokens=max_new_tokens, weight_dtype=weight_dtype)
-    versions = {"kdtree": _version(), "numba": numba.__version__}
+
+
+def _open_writer(out: str, engine, model: str, prompt_ids: list[int], config, force: bool):
+    """The trace writer of a run of ``config`` on ``engine``: its decode_config is the resolved config's dict."""
+    from kdspec.traces import RunMetadata, TraceError, TraceWriter
+
+    run = RunMetadata(decode_config=config.resolved(engine.cfg.vocab_size).as_dict(),
+                      model_config={**engine.cfg.to_hf_dict(), "name": model, "weight_dtype": engine.weight_dtype},
+                      backend=engine.backend, device=_device_name(engine.backend), prompt_tokens=prompt_ids,
+                      versions=_versions())
     try:
-        import numba_cuda  # noqa: F401
-        versions["numba-cuda"] = getattr(numba_cuda, "__version__", "?")
-    except ImportError:
-        pass
-    progress_bar = _Progress(max_new_tokens, progress)
-    progress_bar.step(1)  # the prefill's token
-    try:
-        writer = TraceWriter(out, mode=mode, model_config={**cfg.to_hf_dict(), "name": model},
-                             decode_config=decode_config, backend=engine.backend, device=device, seed=seed,
-                             prompt_tokens=prompt_ids, block_size=decode_config["block_size"],
-                             budget=decode_config["budget"], draft_topk=topk_used if mode == "ddtree" else 0,
-                             save_logits=save_logits, vocab_size=cfg.vocab_size, versions=versions, force=force)
+        return TraceWriter(out, run, save_logits=config.record_logits, force=force)
     except TraceError as e:
         raise UsageError(str(e)) from None
+
+
+def _decode_into(writer, engine, prompt_ids: list[int], config, golden, progress: bool):
+    """Decode, writing each step's record; finish the trace (status "failed" when the run fails)."""
+    import numpy as np
+
+    from kdspec.traces import TraceError
+
+    progress_bar = _Progress(config.max_new_tokens, progress)
+    progress_bar.step(1)  # the prefill's token
 
     def on_step(record: dict) -> None:
         writer.write_step(record)
         progress_bar.step(len(record["committed_tokens"]))
 
     try:
-        result = engine.generate(prompt_ids, max_new_tokens, mode=mode, drafter=drafter if mode == "ddtree" else None,
-                                 block_size=block_size if mode == "ddtree" else 8, budget=budget, topk=topk,
-                                 temperature=temperature, seed=seed, golden=golden, on_step=on_step,
-                                 record_logits=save_logits)
-        writer.finish(result.tokens, np.asarray(golden.tokens)[:max_new_tokens])
+        result = engine.generate(prompt_ids, config, golden=golden, on_step=on_step)
+        writer.finish(result.tokens, np.asarray(golden.tokens)[:config.max_new_tokens])
     except TraceError as e:
         writer.close(status="failed")
-        progress_bar.close()
         raise UsageError(str(e)) from None
     except BaseException:
         writer.close(status="failed")
-        progress_bar.close()
         raise
-    writer.close()
-    progress_bar.close()
-    return dict(out=out, backend=engine.backend, device=device, steps=result.steps, mean_tau=result.mean_tau,
-                golden_match=result.golden_match, tokens=len(result.tokens), elapsed=result.elapsed)
+    finally:
+        progress_bar.close()
+    return result
+
+
+def _versions() -> dict[str, str]:
+    import numba
+
+    versions = {"kdtree": _version(), "numba": numba.__version__}
+    try:
+        import numba_cuda  # noqa: F401
+        versions["numba-cuda"] = getattr(numba_cuda, "__version__", "?")
+    except ImportError:
+        pass
+    return versions
 
 
 def _device_name(backend: str) -> str:
@@ -174,13 +178,23 @@ def _version() -> str:
         return "dev"
 
 
+def _decode_config(args: argparse.Namespace):
+    """The DecodeConfig of `kdtree record`'s flags (--drafter defaults to oracle in mode ddtree)."""
+    from kdspec.engine.decode.config import DecodeConfig
+
+    drafter = "oracle" if args.drafter is None and args.mode == "ddtree" else args.drafter
+    try:
+        return DecodeConfig(args.max_new_tokens, mode=args.mode, block_size=args.block_size, budget=args.budget,
+                            topk=args.topk, drafter=drafter, temperature=args.temperature, seed=args.seed,
+                            record_logits=args.save_logits)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def _cmd_record(args: argparse.Namespace) -> int:
     _select_backend(args.backend)
-    summary = record_trace(args.model, args.out, prompt_ids=_parse_prompt(args), max_new_tokens=args.max_new_tokens,
-                           mode=args.mode, drafter=args.drafter, block_size=args.block_size, budget=args.budget,
-                           topk=args.topk, temperature=args.temperature, seed=args.seed, backend=args.backend,
-                           force=args.force, save_logits=args.save_logits, progress=sys.stderr.isatty(),
-                           weight_dtype=args.weight_dtype)
+    summary = record_trace(args.model, args.out, _parse_prompt(args), _decode_config(args), backend=args.backend,
+                           weight_dtype=args.weight_dtype, force=args.force, progress=sys.stderr.isatty())
     match = {True: "equal to the golden", False: "DIVERGES from the golden", None: "no golden"}[summary["golden_match"]]
     print(f"recorded {summary['out']}: {summary['tokens']} tokens in {summary['steps']} steps on "
           f"{summary['backend']} ({summary['device']}), mean tau {summary['mean_tau']:.2f}, {match}, "
@@ -227,13 +241,16 @@ def _cmd_tui(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     backend = _select_backend("auto")
+    from kdspec.engine.decode.config import DecodeConfig
+
     out = args.out or os.path.join(tempfile.mkdtemp(prefix="kdtree-demo-"), "demo.h5")
+    try:
+        config = DecodeConfig(args.max_new_tokens, mode="ddtree", drafter="noisy:0.7", block_size=8, budget=16)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     print(f"recording a DDTree trace of `tiny` (noisy:0.7 drafter, budget 16) to {out} ...", file=sys.stderr)
-    summary = record_trace("tiny", out, prompt_ids=_parse_prompt(argparse.Namespace(prompt_ids=None,
-                                                                                    prompt="Hello, tree!")),
-                           max_new_tokens=args.max_new_tokens, mode="ddtree", drafter="noisy:0.7", block_size=8,
-                           budget=16, topk=None, temperature=0.0, seed=0, backend=backend, force=True,
-                           progress=sys.stderr.isatty())
+    prompt = _parse_prompt(argparse.Namespace(prompt_ids=None, prompt="Hello, tree!"))
+    summary = record_trace("tiny", out, prompt, config, backend=backend, force=True, progress=sys.stderr.isatty())
     print(f"recorded {summary['steps']} steps on {summary['backend']} ({summary['device']}), mean tau "
           f"{summary['mean_tau']:.2f}", file=sys.stderr)
     if args.no_tui:
@@ -261,12 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="See inside DDTree speculative decoding: record step traces of an MLA+MoE engine, replay them.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-
     p = sub.add_parser("config", help="print a model's configuration (preset name or model directory) as JSON")
     p.add_argument("model", help="preset (tiny, small, k2-mini) or a directory with config.json")
     p.set_defaults(func=_cmd_config)
+    _add_record(sub.add_parser("record", help="decode with the engine and record every step to an HDF5 trace"))
+    _add_trace_commands(sub)
+    _add_demo_and_bench(sub)
+    return parser
 
-    p = sub.add_parser("record", help="decode with the engine and record every step to an HDF5 trace")
+
+def _add_record(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset (tiny, small, k2-mini) or a model directory")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="The tree", help="prompt text (byte-level tokenizer)")
@@ -287,34 +308,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-logits", action="store_true", help="store full logits of committed positions (small V)")
     p.set_defaults(func=_cmd_record)
 
+
+def _add_trace_commands(sub) -> None:
+    """info, check, tui: the commands that read a trace."""
     p = sub.add_parser("info", help="summarise a trace")
     p.add_argument("trace")
     p.add_argument("--json", action="store_true", help="machine-readable summary")
     p.set_defaults(func=_cmd_info)
-
     p = sub.add_parser("check", help="exit 0 when a trace is intact and equals the golden, 1 when it diverges, "
                                      "2 when unreadable")
     p.add_argument("trace")
     p.set_defaults(func=_cmd_check)
-
     p = sub.add_parser("tui", help="replay a trace step by step in the terminal debugger")
     p.add_argument("trace")
     p.add_argument("--compare", metavar="OTHER", help="a second trace of the same prompt, side by side")
     p.add_argument("--follow", action="store_true", help="follow a trace that is still being recorded")
     p.set_defaults(func=_cmd_tui)
 
+
+def _add_demo_and_bench(sub) -> None:
     p = sub.add_parser("demo", help="record a short DDTree trace of `tiny` on the best backend and open it")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--out", help="where to write the trace (default: a temporary directory)")
     p.add_argument("--no-tui", action="store_true", help="record only; print the trace path")
     p.set_defaults(func=_cmd_demo)
-
     p = sub.add_parser("bench", help="benchmarks with their peers, side by side in one run (exit 1: a target missed)")
     p.add_argument("suites", nargs="*", metavar="SUITE", help="tree, attention, moe, e2e, trace, tui (default all)")
     p.add_argument("--json", action="store_true", help="rows as JSON")
     p.add_argument("--quick", action="store_true", help="toy sizes: checks the suites run (numbers mean nothing)")
     p.set_defaults(func=_cmd_bench)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

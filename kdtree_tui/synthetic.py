@@ -152,15 +152,16 @@ def synthetic_records(num_steps: int, *, block_size: int = 8, budget: int = 16, 
 
 
 def synthetic_metadata(*, block_size: int = 8, budget: int = 16, draft_topk: int = 4, prompt_len: int = 16,
-                       seed: int = 0) -> dict:
-    """The TraceWriter keyword arguments (apart from path) of a synthetic run."""
-    return dict(mode="ddtree", backend="synthetic", device="none", seed=seed,
-                model_config={"name": "tiny", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
-                              "tokenizer": "byte"},
-                decode_config={"block_size": block_size, "budget": budget, "draft_topk": draft_topk,
-                               "drafter": "synthetic", "temperature": 0.0, "tokenizer": "byte"},
-                prompt_tokens=[passage_token(p) for p in range(prompt_len)], block_size=block_size,
-                budget=budget, draft_topk=draft_topk)
+                       seed: int = 0):
+    """The trace writer's RunMetadata of a synthetic run."""
+    from kdspec.traces.writer import RunMetadata
+
+    return RunMetadata(
+        decode_config={"mode": "ddtree", "block_size": block_size, "budget": budget, "topk": draft_topk,
+                       "drafter": "synthetic", "temperature": 0.0, "seed": seed},
+        model_config={"name": "tiny", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
+                      "tokenizer": "byte"},
+        backend="synthetic", device="none", prompt_tokens=[passage_token(p) for p in range(prompt_len)])
 
 
 def write_synthetic_trace(path: str | os.PathLike, num_steps: int, *, block_size: int = 8, budget: int = 16,
@@ -175,7 +176,7 @@ def write_synthetic_trace(path: str | os.PathLike, num_steps: int, *, block_size
     meta = synthetic_metadata(block_size=block_size, budget=budget, draft_topk=draft_topk,
                               prompt_len=prompt_len, seed=seed)
     output, golden = [], []
-    with TraceWriter(path, **meta, compression=compression, force=force) as writer:
+    with TraceWriter(path, meta, compression=compression, force=force) as writer:
         for record in synthetic_records(num_steps, block_size=block_size, budget=budget, draft_topk=draft_topk,
                                         prompt_len=prompt_len, seed=seed, anomalies=anomalies):
             writer.write_step(record)

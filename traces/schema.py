@@ -22,6 +22,7 @@ FORMAT_NAME = "kdtree-trace"
 SCHEMA_VERSION = 1
 TARGET_TOPK = 8
 STAGES = ("draft", "build", "verify", "accept", "compact")
+MODES = ("ar", "ddtree")
 
 
 class TraceError(Exception):

@@ -14,6 +14,7 @@ import os
 import platform
 import time
 import zlib
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import h5py
@@ -23,14 +24,13 @@ from kdspec.traces.schema import (
     DERIVED_FIELDS,
     FIELDS_BY_NAME,
     FORMAT_NAME,
+    MODES,
     SCHEMA_VERSION,
     STAGES,
-    TARGET_TOPK,
     TraceDims,
     TraceError,
 )
 
-MODES = ("ar", "ddtree")
 COMPRESSIONS = ("gzip", "lzf", None)
 GZIP_LEVEL = 1   # small chunks: level 1 is within a few % of level 4's size at a fraction of the time
 
@@ -45,45 +45,70 @@ def _now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
 
 
+@dataclass(frozen=True)
+class RunMetadata:
+    """What a trace records about its run (the root attributes of docs/trace-format.md).
+
+    decode_config: the run's settings, a JSON-serialisable dict (the engine's resolved
+        DecodeConfig.as_dict()); the writer takes mode, block_size (L+1), budget (B), topk (K) and seed from it.
+        AR runs are one node per step: block_size 1, budget 0.
+    model_config: the model's configuration (HF field names, plus ``name``); ``vocab_size`` V read from it.
+    backend, device: e.g. "cuda", "NVIDIA H200". prompt_tokens: int [P0], the prompt ids.
+    versions: package versions, merged over ``default_versions()``.
+    """
+
+    decode_config: Mapping[str, Any]
+    model_config: Mapping[str, Any]
+    backend: str
+    device: str
+    prompt_tokens: Sequence[int]
+    versions: Mapping[str, str] = field(default_factory=dict)
+
+
+def _run_shape(path: str, decode_config: Mapping[str, Any]) -> tuple[str, int, TraceDims]:
+    """(mode, seed, dims) from a decode_config; TraceError (one line) when a key is missing or wrong."""
+    missing = [k for k in ("mode", "block_size", "budget", "topk", "seed") if k not in decode_config]
+    if missing:
+        raise TraceError(f"{path}: decode_config lacks {missing}")
+    mode, block_size, budget = decode_config["mode"], decode_config["block_size"], decode_config["budget"]
+    if mode not in MODES:
+        raise TraceError(f"{path}: mode must be one of {MODES}, got {mode!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise TraceError(f"{path}: block_size must be an integer >= 1, got {block_size!r}")
+    if mode == "ar" and (block_size != 1 or budget != 0):
+        raise TraceError(f"{path}: an AR trace has block_size 1 and budget 0, got {block_size} and {budget}")
+    try:
+        dims = TraceDims(int(block_size) - 1, decode_config["topk"], budget)
+    except TraceError as e:
+        raise TraceError(f"{path}: {e}") from None
+    return mode, decode_config["seed"], dims
+
+
 class TraceWriter:
     """Write a trace to ``path``; use as a context manager, call ``write_step`` per step, then ``finish``.
 
     Args:
         path: the .h5 file to create. An existing file is a TraceError unless ``force``.
-        mode: "ar" (one token per step, a one-node tree: block_size 1, budget 0) or "ddtree".
-        model_config, decode_config: JSON-serialisable dicts (HF config; block_size, budget, T, ...).
-        backend, device: e.g. "cuda", "NVIDIA H200". seed: the run's seed.
-        prompt_tokens: int [P0], the prompt ids.
-        block_size: L+1. budget: B (non-root nodes). draft_topk: K. target_topk: T (8).
+        run: the run's metadata (RunMetadata); the decode_config gives the trace's widths.
         save_logits: also store float32 logits [steps, L+1, V] of the committed positions (small V only);
-            every record must then carry ``logits`` [tau, V].
-        vocab_size: V, required with save_logits.
-        versions: package versions, merged over ``default_versions()``.
+            every record must then carry ``logits`` [tau, V], and model_config its vocab_size.
         compression: "gzip" (default), "lzf" or None.
     """
 
-    def __init__(self, path: str | os.PathLike, *, mode: str, model_config: Mapping[str, Any],
-                 decode_config: Mapping[str, Any], backend: str, device: str, seed: int,
-                 prompt_tokens: Sequence[int], block_size: int = 1, budget: int = 0, draft_topk: int = 0,
-                 target_topk: int = TARGET_TOPK, save_logits: bool = False, vocab_size: Optional[int] = None,
-                 versions: Optional[Mapping[str, str]] = None, compression: Optional[str] = "gzip",
-                 force: bool = False):
+    def __init__(self, path: str | os.PathLike, run: RunMetadata, *, save_logits: bool = False,
+                 compression: Optional[str] = "gzip", force: bool = False):
         self.path = os.fspath(path)
-        if mode not in MODES:
-            raise TraceError(f"{self.path}: mode must be one of {MODES}, got {mode!r}")
-        if not isinstance(block_size, (int, np.integer)) or block_size < 1:
-            raise TraceError(f"{self.path}: block_size must be an integer >= 1, got {block_size!r}")
-        if mode == "ar" and (block_size != 1 or budget != 0):
-            raise TraceError(f"{self.path}: an AR trace has block_size 1 and budget 0, got {block_size} and {budget}")
+        mode, seed, self.dims = _run_shape(self.path, run.decode_config)
+        vocab_size = run.model_config.get("vocab_size")
         if compression not in COMPRESSIONS:
             raise TraceError(f"{self.path}: compression must be one of {COMPRESSIONS}, got {compression!r}")
         if save_logits and (not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1):
-            raise TraceError(f"{self.path}: save_logits needs vocab_size (a positive integer), got {vocab_size!r}")
+            raise TraceError(f"{self.path}: save_logits needs model_config's vocab_size (a positive integer), "
+                             f"got {vocab_size!r}")
         if os.path.exists(self.path) and not force:
             raise TraceError(f"{self.path}: file exists (pass force=True to overwrite it)")
-        self.dims = TraceDims(block_size - 1, draft_topk, budget, target_topk)
         self.save_logits = bool(save_logits)
-        self.vocab_size = int(vocab_size) if vocab_size is not None else -1
+        self.vocab_size = int(vocab_size) if isinstance(vocab_size, (int, np.integer)) else -1
         self.num_steps = 0
         self._row = self.dims.blank_row()
         self._blank = self._row.copy()
@@ -99,8 +124,7 @@ class TraceWriter:
         except (OSError, ValueError) as e:
             raise TraceError(f"{self.path}: cannot create trace file ({_first_line(e)})") from None
         try:
-            self._create_schema(mode, model_config, decode_config, backend, device, seed, prompt_tokens,
-                                versions, compression)
+            self._create_schema(mode, seed, run, compression)
             self._file.swmr_mode = True
             self._file.flush()
         except TraceError:
@@ -110,19 +134,18 @@ class TraceWriter:
             self._file.close()
             raise TraceError(f"{self.path}: cannot create the trace schema ({_first_line(e)})") from None
 
-    def _create_schema(self, mode, model_config, decode_config, backend, device, seed, prompt_tokens,
-                       versions, compression) -> None:
+    def _create_schema(self, mode: str, seed: int, run: RunMetadata, compression: Optional[str]) -> None:
         f, d = self._file, self.dims
         try:
-            model_json = json.dumps(dict(model_config), sort_keys=True)
-            decode_json = json.dumps(dict(decode_config), sort_keys=True)
-            versions_json = json.dumps({**default_versions(), **dict(versions or {})}, sort_keys=True)
+            model_json = json.dumps(dict(run.model_config), sort_keys=True)
+            decode_json = json.dumps(dict(run.decode_config), sort_keys=True)
+            versions_json = json.dumps({**default_versions(), **dict(run.versions or {})}, sort_keys=True)
         except (TypeError, ValueError) as e:
             raise TraceError(f"{self.path}: metadata is not JSON-serialisable ({_first_line(e)})") from None
         # Every attribute exists before SWMR mode (no attribute may be created after it); finish() only
         # modifies values.
         attrs = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "status": _fixed("recording"),
-                 "mode": mode, "backend": str(backend), "device": str(device), "seed": int(seed),
+                 "mode": mode, "backend": str(run.backend), "device": str(run.device), "seed": int(seed),
                  "start_time": _now_iso(), "end_time": _fixed(""), "model_config": model_json,
                  "decode_config": decode_json, "versions": versions_json,
                  "block_size": d.num_depths + 1, "num_depths": d.num_depths, "budget": d.budget,
@@ -131,7 +154,7 @@ class TraceWriter:
                  "time_trace_write_last": math.nan}
         for key, value in attrs.items():
             f.attrs[key] = value
-        prompt = np.asarray(prompt_tokens, dtype=np.int32).reshape(-1)
+        prompt = np.asarray(run.prompt_tokens, dtype=np.int32).reshape(-1)
         f.create_dataset("prompt_tokens", data=prompt, dtype="<i4")
         # One row per chunk: a flush writes only the new step's chunk, never an earlier one again.
         self._steps = f.create_dataset("steps", shape=(0,), maxshape=(None,), dtype=d.row_dtype(),
@@ -150,7 +173,7 @@ class TraceWriter:
 
     # -- per step -----------------------------------------------------------------------------------
     def write_step(self, record: Mapping[str, Any]) -> None:
-        """Append one step record (docs/architecture.md "DDTree step record") and flush it to disk.
+        """Append one step record (the fields of docs/trace-format.md) and flush it to disk.
 
         Variable-length fields are padded: node fields to B+1, path fields to L+1. ``num_nodes`` and
         ``tau`` are taken from the lengths of tree_tokens and accepted_nodes (if the record also has

@@ -23,11 +23,13 @@ from typing import NamedTuple
 import numpy as np
 
 from kdspec.engine.bench.common import ceilings, progress, row, torch_cuda
+from kdspec.engine.decode.config import DecodeConfig
 from kdspec.engine.decode.drafters import parse_drafter
-from kdspec.engine.decode.loop import STAGES, generate
+from kdspec.engine.decode.loop import generate
 from kdspec.engine.model.config import PRESETS, ModelConfig
 from kdspec.engine.model.weights import parameter_shapes, random_weights
 from kdspec.numba_kernels.runtime import ON_SIMULATOR
+from kdspec.traces.schema import STAGES
 
 SUITE = "e2e"
 BLOCK_SIZE = 8
@@ -255,7 +257,7 @@ def _plan(cfg: ModelConfig, ops, quick: bool) -> _Plan:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg.vocab_size, 4 if quick else 32).astype(np.int64)
     return _Plan(quick, prompt, new_tokens, block, budgets, drafters, 1 if quick else REPEATS,
-                 dict(tree_ops=ops, block_size=block))
+                 dict(tree_ops=ops))
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -266,7 +268,7 @@ def run(quick: bool = False) -> list[dict]:
         _warm_up(cfg, model, plan)
     progress(f"e2e: AR, {plan.new_tokens} tokens")
     # block more tokens than DDTree decodes: the oracle's golden continuation covers its last step.
-    ar = median_run(lambda: generate(model, plan.prompt, plan.new_tokens + plan.block, mode="ar", **plan.run_args),
+    ar = median_run(lambda: generate(model, plan.prompt, DecodeConfig(plan.new_tokens + plan.block), **plan.run_args),
                     plan.repeats)
     ar_rate, ar_step = decode_rate(ar)
     golden = np.concatenate([plan.prompt, ar.tokens])
@@ -286,12 +288,13 @@ def run(quick: bool = False) -> list[dict]:
 def _warm_up(cfg: ModelConfig, model, plan: _Plan) -> None:
     """Compile every kernel the timed runs launch: a short AR decode and an oracle DDTree one per budget."""
     progress("e2e: warm-up (kernel compilation)")
-    generate(model, plan.prompt, 3, mode="ar", **plan.run_args)
+    generate(model, plan.prompt, DecodeConfig(3), **plan.run_args)
     warm_golden = np.concatenate([plan.prompt, np.zeros(64, np.int64)])
     for budget in plan.budgets:
         drafter = parse_drafter("oracle").build(warm_golden, plan.block - 1, min(budget, cfg.vocab_size),
                                                 cfg.vocab_size)
-        generate(model, plan.prompt, 3, mode="ddtree", drafter=drafter, budget=budget, **plan.run_args)
+        generate(model, plan.prompt, DecodeConfig(3, mode="ddtree", block_size=plan.block, budget=budget), drafter,
+                 **plan.run_args)
 
 
 def _ddtree_runs(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) -> dict:
@@ -302,8 +305,8 @@ def _ddtree_runs(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) -> di
             progress(f"e2e: DDTree {spec} budget {budget}")
             topk = min(budget, cfg.vocab_size)
             drafter = parse_drafter(spec).build(golden, plan.block - 1, topk, cfg.vocab_size, seed=0)
-            ddtree[spec, budget] = median_run(lambda: generate(model, plan.prompt, plan.new_tokens, mode="ddtree",
-                                                               drafter=drafter, budget=budget, **plan.run_args),
+            config = DecodeConfig(plan.new_tokens, mode="ddtree", block_size=plan.block, budget=budget)
+            ddtree[spec, budget] = median_run(lambda: generate(model, plan.prompt, config, drafter, **plan.run_args),
                                               plan.repeats)
     return ddtree
 
@@ -323,13 +326,13 @@ def _count_experts(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) -> 
     progress("e2e: counting distinct experts per step (instrumented pass)")
     counter = ExpertCounter(model)
     try:
-        generate(model, plan.prompt, 2 if plan.quick else 16, mode="ar", **plan.run_args)
+        generate(model, plan.prompt, DecodeConfig(2 if plan.quick else 16), **plan.run_args)
         ar_forwards = counter.forwards[1:]  # [0] is the prefill
         counter.forwards = []
         first = plan.budgets[0]
         drafter = parse_drafter("oracle").build(golden, plan.block - 1, min(first, cfg.vocab_size), cfg.vocab_size)
-        generate(model, plan.prompt, 2 if plan.quick else plan.new_tokens, mode="ddtree", drafter=drafter,
-                 budget=first, **plan.run_args)
+        generate(model, plan.prompt, DecodeConfig(2 if plan.quick else plan.new_tokens, mode="ddtree",
+                                                  block_size=plan.block, budget=first), drafter, **plan.run_args)
         verify_forwards = counter.forwards[1:]
     finally:
         counter.remove()

@@ -21,23 +21,22 @@ import numpy as np
 
 from kdspec.engine.bench.common import progress, row
 from kdspec.engine.bench.e2e import load_model
+from kdspec.engine.decode.config import DecodeConfig
 from kdspec.engine.decode.drafters import parse_drafter
 from kdspec.engine.decode.loop import generate
-from kdspec.traces import TraceWriter
+from kdspec.traces import RunMetadata, TraceWriter
 
 SUITE = "trace"
 TARGET_OVERHEAD = 0.05
 
 
-def _record(cfg, model, ops, prompt, new_tokens, mode, drafter_args, path):
-    """One decode writing a trace at ``path``: (wall seconds, seconds in write_step, steps, seconds creating
-    and closing the file)."""
-    block, budget = (drafter_args["block_size"], drafter_args["budget"]) if mode == "ddtree" else (1, 0)
+def _record(cfg, model, ops, prompt, config, drafter, path):
+    """One decode of ``config`` writing a trace at ``path``: (wall seconds, seconds in write_step, steps, seconds
+    creating and closing the file)."""
     start = time.perf_counter()
-    writer = TraceWriter(path, mode=mode, model_config={**cfg.to_hf_dict(), "name": cfg.name},
-                         decode_config=dict(mode=mode, block_size=block, budget=budget), backend=model.backend,
-                         device="bench", seed=0, prompt_tokens=prompt, block_size=block, budget=budget,
-                         draft_topk=drafter_args.get("topk", 0) if mode == "ddtree" else 0, force=True)
+    run = RunMetadata(config.resolved(cfg.vocab_size).as_dict(), {**cfg.to_hf_dict(), "name": cfg.name},
+                      backend=model.backend, device="bench", prompt_tokens=prompt)
+    writer = TraceWriter(path, run, force=True)
     spent = [0.0]
     created = time.perf_counter()
 
@@ -46,8 +45,7 @@ def _record(cfg, model, ops, prompt, new_tokens, mode, drafter_args, path):
         writer.write_step(record)
         spent[0] += time.perf_counter() - start
 
-    result = generate(model, prompt, new_tokens, mode=mode, on_step=on_step, tree_ops=ops,
-                      **{k: v for k, v in drafter_args.items() if k != "topk"})
+    result = generate(model, prompt, config, drafter, on_step=on_step, tree_ops=ops)
     decoded = time.perf_counter()
     writer.finish(result.tokens)
     writer.close()
@@ -65,22 +63,21 @@ def run(quick: bool = False) -> list[dict]:
     if quick:  # the simulator is slow: random "golden" tokens (the oracle then misses; every path still runs)
         golden = rng.integers(0, cfg.vocab_size, len(prompt) + new_tokens + block)
     else:  # the engine's own AR continuation, as in the e2e suite
-        golden = np.concatenate([prompt, generate(model, prompt, new_tokens + block, tree_ops=ops).tokens])
-    topk = min(budget, cfg.vocab_size)
-    ddtree_args = dict(drafter=parse_drafter("oracle").build(golden, block - 1, topk, cfg.vocab_size),
-                       block_size=block, budget=budget, topk=topk)
+        continuation = generate(model, prompt, DecodeConfig(new_tokens + block), tree_ops=ops).tokens
+        golden = np.concatenate([prompt, continuation])
+    ddtree = DecodeConfig(new_tokens, mode="ddtree", block_size=block, budget=budget)
+    drafter = parse_drafter("oracle").build(golden, block - 1, ddtree.resolved(cfg.vocab_size).topk, cfg.vocab_size)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kdtree-bench-") as tmp:
-        for mode, args in (("ar", {}), ("ddtree", ddtree_args)):
+        for mode, config, mode_drafter in (("ar", DecodeConfig(new_tokens), None), ("ddtree", ddtree, drafter)):
             progress(f"trace: {mode}, {new_tokens} tokens, with and without a trace")
             path = os.path.join(tmp, f"{mode}.h5")
             plain, traced, writes, fixed = [], [], [], []
             for _ in range(repeats):
                 start = time.perf_counter()
-                generate(model, prompt, new_tokens, mode=mode, tree_ops=ops,
-                         **{k: v for k, v in args.items() if k != "topk"})
+                generate(model, prompt, config, mode_drafter, tree_ops=ops)
                 plain.append(time.perf_counter() - start)
-                wall, spent, steps, open_close = _record(cfg, model, ops, prompt, new_tokens, mode, args, path)
+                wall, spent, steps, open_close = _record(cfg, model, ops, prompt, config, mode_drafter, path)
                 traced.append(wall)
                 writes.append(spent / wall)
                 fixed.append(open_close)

@@ -1,10 +1,10 @@
 """The engine's Python API: ``load(model, backend, seed) -> Engine``; ``Engine.generate`` and ``Engine.golden``.
 
     engine = load("tiny", backend="reference")
-    result = engine.generate("hello", 24, mode="ddtree", drafter="noisy:0.6", on_step=writer.write_step)
+    result = engine.generate("hello", DecodeConfig(24, mode="ddtree", drafter="noisy:0.6"), on_step=writer.write_step)
 
 Backends (docs/architecture.md, "Backends"): "reference" runs the float64 golden model itself as the engine; "sim" and
-"cuda" run the Numba device model (engine/device_model.py); "auto" takes the best available one.
+"cuda" run the Numba device model (engine/device/model.py); "auto" takes the best available one.
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
+from kdspec.engine.decode.config import DecodeConfig
 from kdspec.engine.decode.drafters import parse_drafter
-from kdspec.engine.decode.loop import GenerateResult, check_generate_args, generate
+from kdspec.engine.decode.loop import GenerateResult, check_prompt, generate
 from kdspec.engine.golden.model import GoldenRun, ReferenceModel, decode
 from kdspec.engine.model import tokenizer
 from kdspec.engine.model.checkpoint import load_model
@@ -56,10 +57,13 @@ def _physical_memory() -> int:
 
 class Engine:
     """A loaded model ready to decode. ``cfg`` the ModelConfig, ``backend`` the one in use, ``model`` the
-    object with the model protocol, ``reference`` the float64 golden over the same weights."""
+    object with the model protocol, ``reference`` the float64 golden over the same weights, ``weight_dtype`` how
+    the device model stores its weights."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict, backend: str, model, seed: int, source: str):
+    def __init__(self, cfg: ModelConfig, weights: dict, backend: str, model, seed: int, source: str,
+                 weight_dtype: str = "float32"):
         self.cfg, self.weights, self.backend, self.model, self.seed, self.source = cfg, weights, backend, model, seed, source
+        self.weight_dtype = weight_dtype
         self._reference = model if isinstance(model, ReferenceModel) else None
         self.tree_ops = None
         if backend in ("sim", "cuda"):
@@ -87,39 +91,38 @@ class Engine:
         seed = self.seed if seed is None else seed
         return decode(self.reference, self.encode_prompt(prompt), max_new_tokens, temperature, seed)
 
-    def generate(self, prompt, max_new_tokens: int, mode: str = "ar", drafter=None, block_size: int = 8,
-                 budget: int = 7, topk: Optional[int] = None, temperature: float = 0.0, seed: Optional[int] = None,
-                 golden: Union[None, bool, GoldenRun] = None, on_step: Optional[Callable[[dict], None]] = None,
-                 record_logits: bool = False) -> GenerateResult:
-        """Decode with engine.decode.generate (arguments as there).
+    def golden_for(self, prompt, config: DecodeConfig) -> GoldenRun:
+        """The golden run a decode with ``config`` compares against (and an oracle drafter follows): checks the
+        prompt and ``config`` against the model first, so a bad argument never waits for it. DDTree reaches
+        block_size tokens further, covering the last step's overshoot."""
+        run = config.resolved(self.cfg.vocab_size)
+        ids = check_prompt(self.cfg, self.encode_prompt(prompt), run.max_new_tokens)
+        reach = min(run.max_new_tokens + run.block_size, self.cfg.max_position_embeddings - len(ids))
+        return self.golden(ids, reach if run.mode == "ddtree" else run.max_new_tokens, run.temperature, run.seed)
 
-        drafter: a Drafter object, or "oracle" / "noisy:P", built over the golden run at the same temperature
-        and seed (computed here, max_new_tokens + block_size tokens so the last step's overshoot is covered).
+    def generate(self, prompt, config: DecodeConfig, *, drafter=None, golden: Union[None, bool, GoldenRun] = None,
+                 on_step: Optional[Callable[[dict], None]] = None) -> GenerateResult:
+        """Decode ``prompt`` (text or token ids) with the settings ``config`` (engine.decode.loop.generate).
+
+        drafter: a Drafter object for mode "ddtree"; None builds ``config.drafter`` ("oracle" / "noisy:P") over
+        the golden run at the same temperature and seed.
         golden: a GoldenRun, True (compute it), False (never), None (use it when the drafter needed one).
         The result's ``meta`` gains backend, model, drafter and the golden run (key "golden").
         """
-        seed = self.seed if seed is None else seed
         ids = self.encode_prompt(prompt)
-        spec = parse_drafter(drafter) if isinstance(drafter, str) else None
-        if spec is not None and mode != "ddtree":
-            raise ValueError(f"drafter {drafter!r} is only used in mode 'ddtree', got mode {mode!r}")
         run = golden if isinstance(golden, GoldenRun) else None
-        if run is None and (golden is True or spec is not None):
-            # Validate first, so a bad argument never waits for a golden run.
-            check_generate_args(self.cfg, ids, max_new_tokens, mode, block_size, budget, topk, temperature, seed)
-            reach = max_new_tokens + (block_size if mode == "ddtree" else 0)
-            run = self.golden(ids, min(reach, self.cfg.max_position_embeddings - len(ids)), temperature, seed)
+        if run is None and (golden is True or (drafter is None and config.drafter is not None)):
+            run = self.golden_for(ids, config)
+        if drafter is None and config.drafter is not None:
+            resolved = config.resolved(self.cfg.vocab_size)
+            drafter = parse_drafter(config.drafter).build(np.concatenate([np.asarray(ids, dtype=np.int64),
+                                                                          run.tokens]),
+                                                          resolved.num_depths, resolved.topk, self.cfg.vocab_size,
+                                                          config.seed)
         golden = None if golden is False else run
-        if spec is not None:
-            k = min(budget, self.cfg.vocab_size) if topk is None else topk
-            drafter = spec.build(np.concatenate([np.asarray(ids, dtype=np.int64), run.tokens]), block_size - 1, k,
-                                 self.cfg.vocab_size, seed)
-        result = generate(self.model, ids, max_new_tokens, mode=mode, drafter=drafter, block_size=block_size,
-                          budget=budget, topk=topk, temperature=temperature, seed=seed, golden=golden,
-                          on_step=on_step, tree_ops=self.tree_ops,
-                          record_logits=record_logits)
-        result.meta.update(backend=self.backend, model=self.source, drafter=str(spec) if spec else
-                           (None if drafter is None else type(drafter).__name__), golden=golden)
+        result = generate(self.model, ids, config, drafter, golden=golden, on_step=on_step, tree_ops=self.tree_ops)
+        name = config.drafter or (None if drafter is None else type(drafter).__name__)
+        result.meta.update(backend=self.backend, model=self.source, drafter=name, golden=golden)
         return result
 
 
@@ -144,5 +147,5 @@ def load(model: Union[str, Path] = "tiny", backend: str = "reference", seed: int
             if name == candidates[-1]:
                 raise
             continue
-        return Engine(cfg, weights, name, device_model, seed, str(model))
+        return Engine(cfg, weights, name, device_model, seed, str(model), weight_dtype)
     raise AssertionError("unreachable")

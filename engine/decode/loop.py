@@ -2,9 +2,9 @@
 
 Two seams keep the loop backend-agnostic:
 - ``model``: the protocol of docs/architecture.md (cfg, new_cache, forward, commit, compact): the float64
-  golden (engine.reference.ReferenceModel) or the device model.
+  golden (engine.golden.model.ReferenceModel) or the device model.
 - ``tree_ops``: choose tokens from logits, build the draft tree, accept. ``ReferenceTreeOps`` wraps the plain
-  Python references; a device version (numba_kernels tree_build / tree_accept / sampling) slots in later.
+  Python references; engine.device.tree_ops.DeviceTreeOps runs them on the kernels.
 
 A DDTree step (docs/ddtree.md): draft -> build -> verify -> accept -> compact. The bonus token b sits at
 position P (the committed prefix length); depth d of the tree is position P+d. The step commits tau tokens:
@@ -14,20 +14,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kdspec.engine.decode.records import ar_step_record, ddtree_step_record, target_topk
+from kdspec.engine.decode.config import DecodeConfig
+from kdspec.engine.decode.records import (GoldenCompare, OneNodeTree, StepOutcome, read_target,
+                                          step_record)
 from kdspec.engine.golden import ddtree as ddtree_ref
 from kdspec.engine.golden import sampling as sampling_ref
-
-STAGES = ("draft", "build", "verify", "accept", "compact")
-MODES = ("ar", "ddtree")
+from kdspec.traces.schema import STAGES
 
 
 class ReferenceTreeOps:
-    """Token choice, tree build and accept by the plain Python references (engine.ddtree_ref, sampling_ref)."""
+    """Token choice, tree build and accept by the plain Python references (engine.golden.ddtree, sampling)."""
 
     @staticmethod
     def choose_tokens(logits: np.ndarray, temperature: float, seed: int, positions: np.ndarray) -> np.ndarray:
@@ -45,11 +46,12 @@ class ReferenceTreeOps:
 
 @dataclass
 class GenerateResult:
-    """tokens int64 [max_new_tokens] (the new tokens); steps: verify steps after the prefill (AR: one per token
-    after the first); taus: acceptance length of each step (AR: 1); stage_times: seconds per STAGES name, summed."""
+    """tokens int64 [max_new_tokens] (the new tokens); config: the settings the run used
+    (DecodeConfig.resolved); steps: verify steps after the prefill (AR: one per token after the first); taus:
+    acceptance length of each step (AR: 1); stage_times: seconds per STAGES name, summed."""
 
     tokens: np.ndarray
-    mode: str
+    config: DecodeConfig
     steps: int
     taus: list[int]
     stage_times: dict[str, float]
@@ -59,33 +61,19 @@ class GenerateResult:
     meta: dict = field(default_factory=dict)
 
     @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
     def mean_tau(self) -> float:
         """Mean acceptance length (tokens per verify step, the root counted); 0.0 when no step ran."""
         return float(np.mean(self.taus)) if self.taus else 0.0
 
 
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
-
-
-def check_generate_args(cfg, prompt_ids, max_new_tokens, mode, block_size, budget, topk, temperature, seed,
-                        max_cache_rows: Optional[int] = None) -> tuple[np.ndarray, int]:
-    """Validate everything but the drafter before any model work; return (prompt int64 [P0], topk).
-    Raises ValueError with a one-line message."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    _check_int("max_new_tokens", max_new_tokens, 1)
-    _check_int("block_size", block_size, 1)
-    _check_int("budget", budget, 1)
-    _check_int("seed", seed, 0)
+def check_prompt(cfg, prompt_ids, max_new_tokens: int, max_cache_rows: Optional[int] = None) -> np.ndarray:
+    """The prompt as int64 [P0], checked against the model (ids in the vocabulary, prompt + max_new_tokens
+    within the positions and the cache). Raises ValueError with a one-line message."""
     vocab = cfg.vocab_size
-    topk = min(budget, vocab) if topk is None else _check_int("topk", topk, 1)
-    if topk > vocab:
-        raise ValueError(f"topk must be at most the vocabulary size {vocab}, got {topk}")
-    if not isinstance(temperature, (int, float, np.floating)) or not temperature >= 0 or not np.isfinite(temperature):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     prompt = np.asarray(prompt_ids)
     if prompt.ndim != 1 or prompt.size == 0:
         raise ValueError(f"prompt must be a non-empty 1-D sequence of token ids, got shape {prompt.shape}")
@@ -101,93 +89,106 @@ def check_generate_args(cfg, prompt_ids, max_new_tokens, mode, block_size, budge
     if max_cache_rows is not None and total > max_cache_rows:
         raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
                          f"model's cache capacity of {max_cache_rows} rows")
-    return prompt.astype(np.int64), topk
+    return prompt.astype(np.int64)
 
 
-def check_drafter(drafter, block_size: int, topk: int) -> None:
-    """Raise ValueError unless ``drafter`` drafts L = block_size - 1 depths of K = topk candidates."""
+def check_drafter(drafter, config: DecodeConfig) -> None:
+    """Raise ValueError unless ``drafter`` drafts the L = block_size - 1 depths of K = topk candidates of the
+    resolved ``config``."""
     if drafter is None or not callable(getattr(drafter, "draft", None)):
         raise ValueError("mode 'ddtree' needs a drafter (an object with draft(committed, bonus, position))")
-    if drafter.num_depths != block_size - 1 or drafter.top_k != topk:
+    if drafter.num_depths != config.num_depths or drafter.top_k != config.topk:
         raise ValueError(f"drafter drafts L={drafter.num_depths} depths x K={drafter.top_k}, but block_size "
-                         f"{block_size} and topk {topk} need L={block_size - 1} x K={topk}")
+                         f"{config.block_size} and topk {config.topk} need L={config.num_depths} x K={config.topk}")
 
 
-def generate(model, prompt_ids, max_new_tokens: int, mode: str = "ar", drafter=None, block_size: int = 8,
-             budget: int = 7, topk: Optional[int] = None, temperature: float = 0.0, seed: int = 0, golden=None,
-             on_step: Optional[Callable[[dict], None]] = None, tree_ops=None,
-             record_logits: bool = False) -> GenerateResult:
-    """Decode ``max_new_tokens`` after ``prompt_ids`` with ``model`` (model protocol).
+@dataclass
+class _Run:
+    """What every step of one run shares."""
+
+    model: Any
+    cache: Any
+    ops: Any
+    prompt: np.ndarray
+    config: DecodeConfig
+    drafter: Any
+
+
+def generate(model, prompt_ids, config: DecodeConfig, drafter=None, *, golden=None,
+             on_step: Optional[Callable[[dict], None]] = None, tree_ops=None) -> GenerateResult:
+    """Decode ``config.max_new_tokens`` after ``prompt_ids`` with ``model`` (model protocol).
 
     Args:
-        mode: "ar" (one forward per token) or "ddtree" (drafter + tree verify, block_size = L + 1, budget B
-            non-root nodes, drafter top-K = topk, default min(B, V)).
-        temperature, seed: T = 0 greedy; T > 0 Gumbel-max with noise keyed by (seed, absolute position of the
-            chosen token), so DDTree and AR sample the same tokens.
-        golden: an engine.reference.GoldenRun of the same prompt (optional): records then carry golden agreement.
-        on_step: called with each step's record dict (docs/architecture.md); records are built only when given.
+        config: the settings (DecodeConfig; resolved here against the model's vocabulary).
+        drafter: mode "ddtree": drafts L = block_size - 1 depths of K = topk candidates (drafters.py).
+        golden: an engine.golden.model.GoldenRun of the same prompt (optional): records then carry golden
+            agreement.
+        on_step: called with each step's record dict (records.py); records are built only when given.
         tree_ops: choose_tokens / build_tree / accept implementation (default ReferenceTreeOps).
-        record_logits: records also carry ``logits`` float32 [tau, V], the full logits of the committed
-            positions (for traces of small vocabularies).
+    T = 0 is greedy; T > 0 Gumbel-max with noise keyed by (seed, absolute position of the chosen token), so
+    DDTree and AR sample the same tokens.
     """
     cfg = model.cfg
-    prompt, topk = check_generate_args(cfg, prompt_ids, max_new_tokens, mode, block_size, budget, topk,
-                                       temperature, seed, getattr(model, "max_cache_rows", None))
-    if mode == "ddtree":
-        check_drafter(drafter, block_size, topk)
-    ops = tree_ops or ReferenceTreeOps()
-    prompt_len = len(prompt)
-    # Rows for the committed tokens plus one tree; never more than positions exist (the reference refuses).
-    capacity = prompt_len + max_new_tokens + (budget if mode == "ddtree" else 0)
-    capacity = min(capacity, cfg.max_position_embeddings, getattr(model, "max_cache_rows", None) or capacity)
+    config = config.resolved(cfg.vocab_size)
+    max_rows = getattr(model, "max_cache_rows", None)
+    prompt = check_prompt(cfg, prompt_ids, config.max_new_tokens, max_rows)
+    if config.mode == "ddtree":
+        check_drafter(drafter, config)
     started = time.perf_counter()
-    cache = model.new_cache(capacity)
-
-    logits = model.forward(cache, prompt, np.arange(prompt_len, dtype=np.int64))
-    model.commit(cache, prompt_len)
-    bonus = int(ops.choose_tokens(logits[-1:], temperature, seed, np.array([prompt_len]))[0])
+    # Rows for the committed tokens plus one tree; never more than positions exist (the reference refuses).
+    capacity = min(len(prompt) + config.max_new_tokens + config.budget, cfg.max_position_embeddings,
+                   max_rows or cfg.max_position_embeddings)
+    run = _Run(model, model.new_cache(capacity), tree_ops or ReferenceTreeOps(), prompt, config, drafter)
+    logits = model.forward(run.cache, prompt, np.arange(len(prompt), dtype=np.int64))
+    model.commit(run.cache, len(prompt))
+    bonus = int(run.ops.choose_tokens(logits[-1:], config.temperature, config.seed, np.array([len(prompt)]))[0])
     prefill_time = time.perf_counter() - started
+    tokens, taus, stage_times = _steps(run, bonus, golden, on_step)
+    output = np.asarray(tokens[:config.max_new_tokens], dtype=np.int64)  # the last step may overshoot: cut
+    golden_match = None
+    if golden is not None:
+        reference = np.asarray(golden.tokens)[:config.max_new_tokens]
+        golden_match = len(reference) == config.max_new_tokens and bool(np.array_equal(output, reference))
+    return GenerateResult(tokens=output, config=config, steps=len(taus), taus=taus, stage_times=stage_times,
+                          prefill_time=prefill_time, elapsed=time.perf_counter() - started,
+                          golden_match=golden_match, meta=dict(prompt_len=len(prompt)))
 
-    tokens = [bonus]
-    taus: list[int] = []
+
+def _steps(run: _Run, bonus: int, golden, on_step) -> tuple[list[int], list[int], dict[str, float]]:
+    """Steps until max_new_tokens are committed: (tokens from the prefill's on, taus, stage times summed).
+
+    A step's record is finished and handed to on_step (the trace writer) while the next step's forward runs on
+    the GPU: the forward is queued, the host writes, then waits for the GPU. Only the host work that needs the
+    device (the top-k of the logits) is done before the step ends; a golden comparison reads full logits and
+    cache rows, so with a golden run (or record_logits) records are emitted at once."""
+    config = run.config
+    compare = None if golden is None else GoldenCompare(golden, len(run.prompt), run.cache)
+    at_once = golden is not None or config.record_logits
+    step_fn = _ar_step if config.mode == "ar" else _ddtree_step
+    tokens, taus = [bonus], []
     stage_times = dict.fromkeys(STAGES, 0.0)
-    step_fn = _ar_step if mode == "ar" else _ddtree_step
-    # A step's record is finished and handed to on_step (the trace writer) while the next step's forward runs
-    # on the GPU: the forward is queued, the host writes, then waits for the GPU. Only the host work that needs
-    # the device (the top-k of the logits) is done before the step ends; a golden comparison reads full logits
-    # and cache rows, so with a golden run records are emitted at once.
     pending = []
 
     def emit_pending():
         while pending:  # in step order (at most one waits in practice)
             on_step(pending.pop(0)())
 
-    want_record = (on_step is not None) and ("logits" if record_logits else True)
     try:
-        while len(tokens) < max_new_tokens:
-            committed, times, record = step_fn(model, cache, ops, prompt, tokens, drafter=drafter, budget=budget,
-                                               temperature=temperature, seed=seed, golden=golden,
-                                               want_record=want_record, after_forward=emit_pending)
-            tokens.extend(committed)
-            taus.append(len(committed))
+        while len(tokens) < config.max_new_tokens:
+            step = step_fn(run, tokens, emit_pending)
+            tokens.extend(step.committed)
+            taus.append(len(step.accepted))
             for stage in STAGES:
-                stage_times[stage] += times[stage]
-            if record is not None:
-                pending.append(record)
-                if golden is not None or record_logits:
+                stage_times[stage] += step.times[stage]
+            if on_step is not None:
+                target = read_target(step, accepted_rows=at_once)  # device reads now; the rest when emitted
+                pending.append(partial(step_record, step, target, compare, config.record_logits))
+                if at_once:
                     emit_pending()
     finally:  # the last step's record (also when a later step failed)
-        emit_pending()
-    output = np.asarray(tokens[:max_new_tokens], dtype=np.int64)  # the last step may overshoot: truncate
-    golden_match = None
-    if golden is not None:
-        reference = np.asarray(golden.tokens)[:max_new_tokens]
-        golden_match = len(reference) == max_new_tokens and bool(np.array_equal(output, reference))
-    return GenerateResult(tokens=output, mode=mode, steps=len(taus), taus=taus, stage_times=stage_times,
-                          prefill_time=prefill_time, elapsed=time.perf_counter() - started,
-                          golden_match=golden_match,
-                          meta=dict(block_size=block_size, budget=budget, topk=topk, temperature=temperature,
-                                    seed=seed, prompt_len=prompt_len, max_new_tokens=max_new_tokens))
+        if on_step is not None:
+            emit_pending()
+    return tokens, taus, stage_times
 
 
 class _Clock:
@@ -208,9 +209,10 @@ class _Clock:
         self.times[self._stage] += time.perf_counter() - self._start
 
 
-def _ar_step(model, cache, ops, prompt, tokens, *, temperature, seed, golden, want_record, after_forward, **_):
-    """Feed the last token (position P), commit it, choose the token at P+1. Returns ([token], times, record),
-    record: None or a function building the step record. ``after_forward`` runs once the forward is queued."""
+def _ar_step(run: _Run, tokens: list[int], after_forward: Callable[[], None]) -> StepOutcome:
+    """Feed the last token (position P), commit it, choose the token at P+1: a one-node tree, tau 1, the chosen
+    token as the bonus. ``after_forward`` runs once the forward is queued."""
+    model, cache, config = run.model, run.cache, run.config
     clock = _Clock()
     prefix_len = cache.length
     root = tokens[-1]
@@ -218,61 +220,42 @@ def _ar_step(model, cache, ops, prompt, tokens, *, temperature, seed, golden, wa
         logits = model.forward(cache, np.array([root], dtype=np.int64), np.array([prefix_len], dtype=np.int64))
     after_forward()  # outside the stage clocks: the step's timings stay its own
     with clock("accept"):
-        choice = ops.choose_tokens(logits, temperature, seed, np.array([prefix_len + 1]))
+        choice = run.ops.choose_tokens(logits, config.temperature, config.seed, np.array([prefix_len + 1]))
+    accepted = np.zeros(1, dtype=np.int32)
     with clock("compact"):
+        moves = ddtree_ref.compaction_moves(prefix_len, accepted)
         model.commit(cache, 1)
-    record = None
-    if want_record:
-        topk, length = target_topk(logits), cache.length  # device reads now; the rest when emitted
-        full = np.asarray(logits, dtype=np.float32) if want_record == "logits" else None
-
-        def record():
-            built = ar_step_record(prefix_len, root, logits, choice, clock.times, cache, prompt, golden, topk,
-                                   length)
-            if full is not None:
-                built["logits"] = full
-            return built
-    return [int(choice[0])], clock.times, record
+    return StepOutcome(prefix_len, root, OneNodeTree(root), logits, choice, accepted, int(choice[0]), moves,
+                       cache_len_verify=prefix_len + 1, cache_len_after=cache.length, times=clock.times)
 
 
-def _ddtree_step(model, cache, ops, prompt, tokens, *, drafter, budget, temperature, seed, golden, want_record,
-                 after_forward):
-    """One draft -> build -> verify -> accept -> compact step. Returns (committed tokens [tau], times, record),
-    record: None or a function building the step record. ``after_forward`` runs once the verify is queued."""
-    cfg = model.cfg
+def _ddtree_step(run: _Run, tokens: list[int], after_forward: Callable[[], None]) -> StepOutcome:
+    """One draft -> build -> verify -> accept -> compact step. ``after_forward`` runs once the verify is
+    queued."""
+    model, cache, config, ops = run.model, run.cache, run.config, run.ops
     clock = _Clock()
     prefix_len = cache.length
     root = tokens[-1]
     with clock("draft"):
-        committed_before = np.concatenate([prompt, np.asarray(tokens[:-1], dtype=np.int64)])
-        draft_ids, draft_logprobs = drafter.draft(committed_before, root, prefix_len)
+        committed_before = np.concatenate([run.prompt, np.asarray(tokens[:-1], dtype=np.int64)])
+        draft_ids, draft_logprobs = run.drafter.draft(committed_before, root, prefix_len)
     with clock("build"):
         # Near the end of the position range / cache, the tree is cut to what fits (never in the tests' runs).
-        depth_limit = min(draft_ids.shape[0], cfg.max_position_embeddings - 1 - prefix_len)
-        node_budget = min(budget, cache.capacity - prefix_len - 1)
+        depth_limit = min(draft_ids.shape[0], model.cfg.max_position_embeddings - 1 - prefix_len)
+        node_budget = min(config.budget, cache.capacity - prefix_len - 1)
         tree = ops.build_tree(draft_logprobs[:depth_limit], draft_ids[:depth_limit], root, node_budget, prefix_len)
     with clock("verify"):
         logits = model.forward(cache, tree.tokens, tree.positions, tree.visibility)
     after_forward()  # outside the stage clocks: the step's timings stay its own
     with clock("verify"):
         # node i's choice is the token at position P + depth_i + 1
-        choice = ops.choose_tokens(logits, temperature, seed, tree.positions + 1)
+        choice = ops.choose_tokens(logits, config.temperature, config.seed, tree.positions + 1)
     with clock("accept"):
         accepted, bonus = ops.accept(tree.parents, tree.tokens, choice)
     cache_len_verify = cache.length + tree.num_nodes
     with clock("compact"):
+        moves = ddtree_ref.compaction_moves(prefix_len, accepted)
         model.compact(cache, accepted)
-    committed = [int(t) for t in tree.tokens[accepted[1:]]] + [int(bonus)]
-    record = None
-    if want_record:
-        topk, length = target_topk(logits), cache.length  # device reads now; the rest when emitted
-        full = np.asarray(logits, dtype=np.float32)[accepted] if want_record == "logits" else None
-
-        def record():
-            built = ddtree_step_record(prefix_len, root, draft_ids, draft_logprobs, tree, logits, choice, accepted,
-                                       bonus, committed, cache_len_verify, clock.times, cache, prompt, golden, topk,
-                                       length)
-            if full is not None:
-                built["logits"] = full
-            return built
-    return committed, clock.times, record
+    return StepOutcome(prefix_len, root, tree, logits, choice, np.asarray(accepted, dtype=np.int32), int(bonus),
+                       moves, cache_len_verify=cache_len_verify, cache_len_after=cache.length, times=clock.times,
+                       draft=(draft_ids, draft_logprobs))

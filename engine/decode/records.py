@@ -1,15 +1,84 @@
-"""Per-step records (docs/architecture.md, "DDTree step record"): plain dicts of numpy arrays and scalars.
+"""Per-step records: plain dicts of numpy arrays and scalars keyed by the trace schema's field names
+(kdspec.traces.schema.STEP_FIELDS, minus the fields the writer derives; docs/trace-format.md).
 
-The decode loop hands each record to ``on_step``; that is how the trace writer plugs in (the engine never
-imports traces/). With a golden run (engine.reference.GoldenRun of the same prompt) a record also carries
-golden agreement: the golden tokens and max |engine - golden logit| at the committed positions, and the max
+The decode loop hands each record to ``on_step``; that is how the trace writer plugs in. A step's record is
+built from its ``StepOutcome`` (what the step computed) and its ``TargetReadout`` (what was read from the
+target's logits before the step ended). With a golden run (``GoldenCompare``) a record also carries golden
+agreement: the golden tokens and max |engine - golden logit| at the committed positions, and the max
 |engine - golden| over the compacted cache rows. Positions the golden run does not reach get -1 / NaN.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Optional
+
 import numpy as np
 
-TARGET_TOPK = 8
+from kdspec.traces.schema import TARGET_TOPK
+
+# Record keys beyond the schema's fields: full logits of the committed positions (DecodeConfig.record_logits).
+EXTRA_FIELDS = ("logits",)
+
+
+@dataclass
+class StepOutcome:
+    """What one step computed. AR steps are a one-node tree with no draft.
+
+    tree: tokens, parents, depths, ranks, scores [N+1] (engine.golden.ddtree.Tree or ``OneNodeTree``);
+    logits [N+1, V] (numpy or DeviceLogits); choice [N+1] (target's token after each node); accepted int32
+    [tau]; moves (src, dst) int32 [tau], the compaction's row moves; cache lengths after the verify forward
+    and after the step; times: seconds per stage; draft: (ids int32 [L, K], logprobs float32 [L, K]) or None.
+    """
+
+    prefix_len: int
+    root: int
+    tree: Any
+    logits: Any
+    choice: np.ndarray
+    accepted: np.ndarray
+    bonus: int
+    moves: tuple[np.ndarray, np.ndarray]
+    cache_len_verify: int
+    cache_len_after: int
+    times: dict[str, float]
+    draft: Optional[tuple[np.ndarray, np.ndarray]] = None
+
+    @property
+    def committed(self) -> list[int]:
+        """The tokens the step commits: the accepted drafted tokens, then the bonus."""
+        return [int(t) for t in np.asarray(self.tree.tokens)[np.asarray(self.accepted)[1:]]] + [int(self.bonus)]
+
+
+@dataclass
+class TargetReadout:
+    """What a record needs from the target's logits, read before the step ends (device reads then):
+    the top-T ids / logits [N+1, T] and margins [N+1]; the accepted rows' logits [tau, V] when asked for."""
+
+    topk_ids: np.ndarray
+    topk_logits: np.ndarray
+    margin: np.ndarray
+    accepted_logits: Optional[np.ndarray] = None
+
+
+@dataclass(frozen=True)
+class GoldenCompare:
+    """A golden run of the same prompt (engine.golden.model.GoldenRun), the prompt's length and the engine's
+    cache (its compacted rows are compared once the step is done)."""
+
+    run: Any
+    prompt_len: int
+    cache: Any
+
+
+class OneNodeTree:
+    """An AR step seen as a DDTree step: the root alone."""
+
+    def __init__(self, root: int):
+        self.tokens = np.array([root], dtype=np.int64)
+        self.parents = np.array([-1], dtype=np.int32)
+        self.depths = np.zeros(1, dtype=np.int32)
+        self.ranks = np.zeros(1, dtype=np.int32)
+        self.scores = np.zeros(1, dtype=np.float32)
 
 
 def _host(rows) -> np.ndarray:
@@ -62,70 +131,59 @@ def target_topk(logits: np.ndarray, k: int = TARGET_TOPK):
     return ids, values, margin.astype(np.float32)
 
 
-def ddtree_step_record(prefix_len, root, draft_ids, draft_logprobs, tree, logits, choice, accepted, bonus,
-                       committed, cache_len_verify, times, cache, prompt, golden, topk=None,
-                       cache_len_after=None) -> dict:
-    """The record of one DDTree step (fields and meanings: docs/architecture.md). ``topk``: target_topk(logits)
-    when already taken; ``cache_len_after``: the cache length after the step (default: cache.length now)."""
-    accepted = np.asarray(accepted, dtype=np.int32)
-    tau = len(accepted)
-    topk_ids, topk_logits, margin = target_topk(logits) if topk is None else topk
+def read_target(step: StepOutcome, accepted_rows: bool) -> TargetReadout:
+    """The step's top-T per node and, with ``accepted_rows``, the accepted nodes' full logits [tau, V] (a
+    golden comparison or record_logits: tau x V floats from the device)."""
+    logits = step.logits
+    rows = None
+    if accepted_rows:
+        rows = logits.rows(step.accepted) if hasattr(logits, "rows") else np.asarray(logits)[step.accepted]
+    return TargetReadout(*target_topk(logits), accepted_logits=rows)
+
+
+def step_record(step: StepOutcome, target: TargetReadout, golden: Optional[GoldenCompare] = None,
+                keep_logits: bool = False) -> dict:
+    """The record of one step (fields: docs/trace-format.md). AR steps have no draft fields (L = 0, and the
+    trace holds none when L*K == 0). ``keep_logits``: also ``logits`` float32 [tau, V]."""
+    prefix_len, tau = step.prefix_len, len(step.accepted)
+    tree = step.tree
     # The accepted nodes' logits chose the committed tokens, at positions P+1 .. P+tau.
-    # Only a golden comparison needs the accepted rows' full logits (tau x V floats from the device).
-    accepted_logits = (None if golden is None else
-                       logits.rows(accepted) if hasattr(logits, "rows") else np.asarray(logits)[accepted])
-    golden_tokens, logit_diff = golden_agreement(accepted_logits, prefix_len + 1 + np.arange(tau),
-                                                 len(prompt), golden)
+    positions = prefix_len + 1 + np.arange(tau)
+    if golden is None:
+        golden_tokens, logit_diff = golden_agreement(None, positions, 0, None)
+        cache_diff = np.nan
+    else:
+        golden_tokens, logit_diff = golden_agreement(target.accepted_logits, positions, golden.prompt_len,
+                                                     golden.run)
+        cache_diff = cache_max_abs_diff(golden.cache, golden.run.cache, prefix_len, prefix_len + tau)
     record = {
         "prefix_len": int(prefix_len),
-        "root_token": int(root),
-        "draft_ids": np.asarray(draft_ids, dtype=np.int32),
-        "draft_logprobs": np.asarray(draft_logprobs, dtype=np.float32),
+        "root_token": int(step.root),
         "tree_tokens": np.asarray(tree.tokens, dtype=np.int32),
         "tree_parents": np.asarray(tree.parents, dtype=np.int32),
         "tree_depths": np.asarray(tree.depths, dtype=np.int32),
         "tree_ranks": np.asarray(tree.ranks, dtype=np.int32),
         "tree_scores": np.asarray(tree.scores, dtype=np.float32),
-        "target_choice": np.asarray(choice, dtype=np.int32),
-        "target_topk_ids": topk_ids,
-        "target_topk_logits": topk_logits,
-        "target_margin": margin,
-        "accepted_nodes": accepted,
-        "bonus_token": int(bonus),
-        "committed_tokens": np.asarray(committed, dtype=np.int32),
+        "target_choice": np.asarray(step.choice, dtype=np.int32),
+        "target_topk_ids": target.topk_ids,
+        "target_topk_logits": target.topk_logits,
+        "target_margin": target.margin,
+        "accepted_nodes": np.asarray(step.accepted, dtype=np.int32),
+        "bonus_token": int(step.bonus),
+        "committed_tokens": np.asarray(step.committed, dtype=np.int32),
         "golden_tokens": golden_tokens,
         "logit_max_abs_diff": logit_diff,
         "cache_len_before": int(prefix_len),
-        "cache_len_verify": int(cache_len_verify),
-        "cache_len_after": int(cache.length if cache_len_after is None else cache_len_after),
-        "compact_src": (prefix_len + accepted).astype(np.int32),
-        "compact_dst": (prefix_len + np.arange(tau)).astype(np.int32),
-        "cache_max_abs_diff": np.float32(np.nan if golden is None else
-                                         cache_max_abs_diff(cache, golden.cache, prefix_len, prefix_len + tau)),
+        "cache_len_verify": int(step.cache_len_verify),
+        "cache_len_after": int(step.cache_len_after),
+        "compact_src": np.asarray(step.moves[0], dtype=np.int32),
+        "compact_dst": np.asarray(step.moves[1], dtype=np.int32),
+        "cache_max_abs_diff": np.float32(cache_diff),
     }
-    record.update({f"time_{stage}": float(seconds) for stage, seconds in times.items()})
-    return record
-
-
-class _OneNodeTree:
-    """An AR step seen as a DDTree step: the root alone."""
-
-    def __init__(self, root: int):
-        self.tokens = np.array([root], dtype=np.int64)
-        self.parents = np.array([-1], dtype=np.int32)
-        self.depths = np.zeros(1, dtype=np.int32)
-        self.ranks = np.zeros(1, dtype=np.int32)
-        self.scores = np.zeros(1, dtype=np.float32)
-
-
-def ar_step_record(prefix_len, root, logits, choice, times, cache, prompt, golden, topk=None,
-                   cache_len_after=None) -> dict:
-    """The record of one AR step: a one-node tree, tau 1, the chosen token as the bonus; no draft fields (L = 0,
-    and the trace holds no draft fields when L*K == 0)."""
-    bonus = int(np.asarray(choice)[0])
-    empty = np.zeros((0, 0))
-    record = ddtree_step_record(prefix_len, root, empty.astype(np.int32), empty.astype(np.float32),
-                                _OneNodeTree(root), logits, choice, [0], bonus, [bonus], prefix_len + 1, times,
-                                cache, prompt, golden, topk, cache_len_after)
-    del record["draft_ids"], record["draft_logprobs"]
+    if step.draft is not None:
+        record["draft_ids"] = np.asarray(step.draft[0], dtype=np.int32)
+        record["draft_logprobs"] = np.asarray(step.draft[1], dtype=np.float32)
+    record.update({f"time_{stage}": float(seconds) for stage, seconds in step.times.items()})
+    if keep_logits:
+        record["logits"] = np.asarray(target.accepted_logits, dtype=np.float32)
     return record

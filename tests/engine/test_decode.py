@@ -1,8 +1,11 @@
 """engine.decode / records / api on the float64 reference backend: AR and DDTree against the golden AR run."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from kdspec.engine.decode import api
+from kdspec.engine.decode.config import DecodeConfig
 from kdspec.engine.decode.drafters import NoisyOracleDrafter, OracleDrafter
 from kdspec.engine.decode.loop import STAGES, ReferenceTreeOps, generate
 from kdspec.engine.golden.model import ReferenceModel, decode
@@ -58,7 +61,7 @@ class CacheCheckingModel:
 def test_ar_equals_golden(setup):
     model, golden, _ = setup
     records = []
-    result = generate(model, PROMPT, NEW, mode="ar", golden=golden, on_step=records.append)
+    result = generate(model, PROMPT, DecodeConfig(NEW, mode="ar"), golden=golden, on_step=records.append)
     np.testing.assert_array_equal(result.tokens, golden.tokens[:NEW])
     assert result.golden_match and result.steps == NEW - 1 == len(records) and result.taus == [1] * (NEW - 1)
     for i, r in enumerate(records):
@@ -79,7 +82,7 @@ def test_ddtree_equals_golden_and_cache_equals_golden_after_every_step(setup, dr
         NoisyOracleDrafter(sequence, 0.6, 0, 7, 7, vocab)
     checking = CacheCheckingModel(model, golden)
     records = []
-    result = generate(checking, PROMPT, NEW, mode="ddtree", drafter=drafter, block_size=8, budget=7,
+    result = generate(checking, PROMPT, DecodeConfig(NEW, mode="ddtree", block_size=8, budget=7), drafter,
                       golden=golden, on_step=records.append)
     np.testing.assert_array_equal(result.tokens, golden.tokens[:NEW])
     assert result.golden_match
@@ -111,7 +114,7 @@ def test_node_choice_equals_argmax_of_its_path_run_as_a_plain_sequence(setup):
     model, golden, sequence = setup
     drafter = NoisyOracleDrafter(sequence, 0.5, 1, 7, 15, model.cfg.vocab_size)
     records = []
-    generate(model, PROMPT, 16, mode="ddtree", drafter=drafter, budget=15, on_step=records.append)
+    generate(model, PROMPT, DecodeConfig(16, mode="ddtree", budget=15), drafter=drafter, on_step=records.append)
     branched = [r for r in records if (r["tree_depths"] < np.arange(len(r["tree_depths"]))).any()]
     assert branched, "the noisy drafter should give some non-chain trees"
     for r in (records[0], branched[0], records[-1]):
@@ -135,26 +138,26 @@ def test_ddtree_at_temperature_equals_ar_at_temperature(setup, drafter_kind):
     seed, temperature = 7, 1.0
     sampled = decode(model, PROMPT, NEW + 8, temperature=temperature, seed=seed)
     assert (sampled.tokens[:NEW] != golden.tokens[:NEW]).sum() >= 4, "T=1 should not be the greedy output"
-    ar = generate(model, PROMPT, NEW, mode="ar", temperature=temperature, seed=seed)
+    ar = generate(model, PROMPT, DecodeConfig(NEW, mode="ar", temperature=temperature, seed=seed))
     np.testing.assert_array_equal(ar.tokens, sampled.tokens[:NEW])
     vocab = model.cfg.vocab_size
     # a drafter that follows the sampled run (noisily) and one that follows the greedy run (mostly rejected)
     drafter = NoisyOracleDrafter(np.concatenate([PROMPT, sampled.tokens]), 0.7, 2, 7, 7, vocab) \
         if drafter_kind == "noisy-sampled" else OracleDrafter(np.concatenate([PROMPT, golden.tokens]), 7, 7, vocab)
-    tree = generate(model, PROMPT, NEW, mode="ddtree", drafter=drafter, temperature=temperature, seed=seed)
+    tree = generate(model, PROMPT, DecodeConfig(NEW, mode="ddtree", temperature=temperature, seed=seed), drafter)
     np.testing.assert_array_equal(tree.tokens, ar.tokens)
     assert tree.steps < NEW - 1 if drafter_kind == "noisy-sampled" else tree.steps >= 1
-    other_seed = generate(model, PROMPT, NEW, mode="ar", temperature=temperature, seed=seed + 1)
+    other_seed = generate(model, PROMPT, DecodeConfig(NEW, mode="ar", temperature=temperature, seed=seed + 1))
     assert not np.array_equal(other_seed.tokens, ar.tokens)
 
 
 def test_truncation_and_single_token(setup):
     model, golden, sequence = setup
     drafter = OracleDrafter(sequence, 7, 7, model.cfg.vocab_size)
-    result = generate(model, PROMPT, 10, mode="ddtree", drafter=drafter)
+    result = generate(model, PROMPT, DecodeConfig(10, mode="ddtree"), drafter=drafter)
     assert result.taus == [8, 8] and len(result.tokens) == 10
     np.testing.assert_array_equal(result.tokens, golden.tokens[:10])
-    one = generate(model, PROMPT, 1, mode="ddtree", drafter=drafter)
+    one = generate(model, PROMPT, DecodeConfig(1, mode="ddtree"), drafter=drafter)
     assert one.steps == 0 and one.mean_tau == 0.0 and one.tokens.tolist() == [golden.tokens[0]]
 
 
@@ -165,7 +168,7 @@ def test_ddtree_up_to_max_position_embeddings():
     prompt = np.arange(cfg.max_position_embeddings - 20) % cfg.vocab_size
     golden = decode(model, prompt, 20)
     drafter = OracleDrafter(np.concatenate([prompt, golden.tokens]), 7, 7, cfg.vocab_size)
-    result = generate(model, prompt, 20, mode="ddtree", drafter=drafter, golden=golden)
+    result = generate(model, prompt, DecodeConfig(20, mode="ddtree"), drafter=drafter, golden=golden)
     np.testing.assert_array_equal(result.tokens, golden.tokens)
     assert result.taus == [8, 8, 4]
 
@@ -190,8 +193,8 @@ class CountingTreeOps(ReferenceTreeOps):
 def test_tree_ops_seam_is_used(setup):
     model, golden, sequence = setup
     ops = CountingTreeOps()
-    result = generate(model, PROMPT, NEW, mode="ddtree", drafter=OracleDrafter(sequence, 7, 7, model.cfg.vocab_size),
-                      tree_ops=ops)
+    drafter = OracleDrafter(sequence, 7, 7, model.cfg.vocab_size)
+    result = generate(model, PROMPT, DecodeConfig(NEW, mode="ddtree"), drafter, tree_ops=ops)
     assert ops.calls == {"choose_tokens": 1 + result.steps, "build_tree": result.steps, "accept": result.steps}
 
 
@@ -223,13 +226,16 @@ class NoWorkModel:
     (dict(seed=-2), "seed must be an integer >= 0"),
     (dict(mode="ddtree", drafter=None), "mode 'ddtree' needs a drafter"),
     (dict(mode="ddtree", block_size=4), "drafter drafts L=7 depths x K=7, but block_size 4"),
+    (dict(budget=2000), "budget must be at most 1024"),
+    (dict(block_size=64), "block_size must be at most 32"),
 ])
 def test_bad_parameters_rejected_before_model_work(setup, kwargs, message):
     model, _, sequence = setup
     args = dict(prompt_ids=PROMPT, max_new_tokens=8, mode="ddtree",
                 drafter=OracleDrafter(sequence, 7, 7, model.cfg.vocab_size)) | kwargs
+    prompt, drafter = args.pop("prompt_ids"), args.pop("drafter")
     with pytest.raises(ValueError, match=message):
-        generate(NoWorkModel(model.cfg), **args)
+        generate(NoWorkModel(model.cfg), prompt, DecodeConfig(**args), drafter)
 
 
 def test_model_cache_capacity_is_checked():
@@ -237,7 +243,7 @@ def test_model_cache_capacity_is_checked():
     model = NoWorkModel(cfg)
     model.max_cache_rows = 12
     with pytest.raises(ValueError, match="exceeds the model's cache capacity of 12 rows"):
-        generate(model, PROMPT, 8)
+        generate(model, PROMPT, DecodeConfig(8))
 
 
 def test_api_reference_engine():
@@ -246,15 +252,15 @@ def test_api_reference_engine():
     golden = engine.golden(PROMPT, NEW)
     assert np.array_equal(golden.tokens, decode(ReferenceModel(*load_model("tiny", 0)), PROMPT, NEW).tokens)
     records = []
-    result = engine.generate(PROMPT, NEW, mode="ddtree", drafter="oracle", on_step=records.append)
+    result = engine.generate(PROMPT, DecodeConfig(NEW, mode="ddtree", drafter="oracle"), on_step=records.append)
     np.testing.assert_array_equal(result.tokens, golden.tokens)
     assert result.taus == [8, 8, 8] and result.golden_match and result.meta["drafter"] == "oracle"
     assert records[0]["golden_tokens"].tolist() == records[0]["committed_tokens"].tolist()
-    noisy = engine.generate(PROMPT, NEW, mode="ddtree", drafter="noisy:0.6", temperature=1.0, seed=4)
-    ar = engine.generate(PROMPT, NEW, temperature=1.0, seed=4, golden=True)
+    noisy = engine.generate(PROMPT, DecodeConfig(NEW, mode="ddtree", drafter="noisy:0.6", temperature=1.0, seed=4))
+    ar = engine.generate(PROMPT, DecodeConfig(NEW, temperature=1.0, seed=4), golden=True)
     np.testing.assert_array_equal(noisy.tokens, ar.tokens)
     assert ar.golden_match and 1 < noisy.mean_tau < 8
-    text = engine.generate("hi", 4)
+    text = engine.generate("hi", DecodeConfig(4))
     assert len(text.tokens) == 4 and text.golden_match is None
 
 
@@ -279,29 +285,29 @@ def test_api_load_rejects(kwargs, error, message):
 def test_api_rejects_drafter_name_in_ar_mode_and_bad_arguments_before_golden():
     engine = api.load("tiny")
     with pytest.raises(ValueError, match="only used in mode 'ddtree'"):
-        engine.generate(PROMPT, 8, mode="ar", drafter="oracle")
+        engine.generate(PROMPT, DecodeConfig(8, mode="ar", drafter="oracle"))
     with pytest.raises(ValueError, match="budget must be an integer >= 1"):
-        engine.generate(PROMPT, 8, mode="ddtree", drafter="oracle", budget=0)
+        engine.generate(PROMPT, DecodeConfig(8, mode="ddtree", drafter="oracle", budget=0))
     with pytest.raises(ValueError, match="unknown drafter"):
-        engine.generate(PROMPT, 8, mode="ddtree", drafter="magic")
+        engine.generate(PROMPT, DecodeConfig(8, mode="ddtree", drafter="magic"))
 
 
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
 def test_records_fit_the_trace_writer(tmp_path, mode):
     # the contract with traces/: every record is accepted by the writer and reads back as written
     from kdspec.traces.reader import open_trace
-    from kdspec.traces.writer import TraceWriter
+    from kdspec.traces.writer import RunMetadata, TraceWriter
     engine = api.load("tiny")
-    shape = dict(block_size=8, budget=7, draft_topk=7) if mode == "ddtree" else dict(block_size=1, budget=0)
+    config = DecodeConfig(NEW, mode=mode, drafter="noisy:0.6" if mode == "ddtree" else None)
     path = tmp_path / f"{mode}.h5"
     records = []
-    with TraceWriter(path, mode=mode, model_config=engine.cfg.to_hf_dict(), decode_config={}, backend="reference",
-                     device="cpu", seed=0, prompt_tokens=PROMPT, **shape) as writer:
+    run = RunMetadata(config.resolved(engine.cfg.vocab_size).as_dict(), engine.cfg.to_hf_dict(), "reference", "cpu",
+                      PROMPT)
+    with TraceWriter(path, run) as writer:
         def on_step(record):
             records.append(record)
             writer.write_step(record)
-        result = engine.generate(PROMPT, NEW, mode=mode, drafter="noisy:0.6" if mode == "ddtree" else None,
-                                 golden=True, on_step=on_step)
+        result = engine.generate(PROMPT, config, golden=True, on_step=on_step)
         writer.finish(result.tokens, result.meta["golden"].tokens[:NEW])
     with open_trace(path) as trace:
         assert trace.num_steps == result.steps == len(records)
@@ -338,12 +344,13 @@ def test_records_are_emitted_while_the_next_step_computes(setup, mode):
     the last one after the loop; every record arrives once, in order, equal to records emitted at once."""
     model, golden, sequence = setup
     events = []
-    kwargs = dict(mode=mode)
-    if mode == "ddtree":
-        kwargs.update(drafter=NoisyOracleDrafter(sequence, 0.5, 1, 3, 4, model.cfg.vocab_size),
-                      block_size=4, budget=4)
+    config = DecodeConfig(12, mode=mode, block_size=4, budget=4)
+
+    def drafter():
+        return NoisyOracleDrafter(sequence, 0.5, 1, 3, 4, model.cfg.vocab_size) if mode == "ddtree" else None
+
     late = []
-    result = generate(_EventModel(model, events), PROMPT, 12, **kwargs,
+    result = generate(_EventModel(model, events), PROMPT, config, drafter(),
                       on_step=lambda r: (events.append(("record", r["prefix_len"])), late.append(r)))
     forwards = [length for kind, length in events if kind == "forward"]
     records = [length for kind, length in events if kind == "record"]
@@ -353,10 +360,8 @@ def test_records_are_emitted_while_the_next_step_computes(setup, mode):
             previous_forward = max(j for j in range(i) if events[j][0] == "forward")
             assert events[previous_forward][1] > length
     assert events[-1][0] == "record"
-    if mode == "ddtree":
-        kwargs["drafter"] = NoisyOracleDrafter(sequence, 0.5, 1, 3, 4, model.cfg.vocab_size)
     at_once = []
-    generate(model, PROMPT, 12, **kwargs, on_step=at_once.append, record_logits=True)  # emitted at once
+    generate(model, PROMPT, replace(config, record_logits=True), drafter(), on_step=at_once.append)  # at once
     assert len(at_once) == len(late) == result.steps
     for mine, theirs in zip(late, at_once):
         for key in mine:

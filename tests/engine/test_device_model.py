@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kdspec.engine.decode import api
+from kdspec.engine.decode.config import DecodeConfig
 
 PROMPT = "The tree"
 LOGIT_TOL = 1e-4   # fp32 engine vs float64 golden, per committed position
@@ -39,7 +40,7 @@ def engine_and_golden(request):
 def test_ar_equals_golden(engine_and_golden):
     engine, golden = engine_and_golden
     records = []
-    result = engine.generate(PROMPT, 24, mode="ar", golden=golden, on_step=records.append)
+    result = engine.generate(PROMPT, DecodeConfig(24, mode="ar"), golden=golden, on_step=records.append)
     assert result.golden_match, (result.tokens, golden.tokens[:24])
     assert len(records) == 23  # the first token comes from the prefill
     _check_records(records, golden.tokens)
@@ -50,8 +51,8 @@ def test_ar_equals_golden(engine_and_golden):
 def test_ddtree_oracle_equals_golden_with_full_acceptance(engine_and_golden):
     engine, golden = engine_and_golden
     records = []
-    result = engine.generate(PROMPT, 24, mode="ddtree", drafter="oracle", block_size=8, budget=7, golden=golden,
-                             on_step=records.append)
+    config = DecodeConfig(24, mode="ddtree", drafter="oracle", block_size=8, budget=7)
+    result = engine.generate(PROMPT, config, golden=golden, on_step=records.append)
     assert result.golden_match
     # the prefill gives token 1; steps of 8 then cover the other 23 (the last one truncated)
     assert result.taus == [8, 8, 8]
@@ -64,7 +65,8 @@ def test_ddtree_oracle_equals_golden_with_full_acceptance(engine_and_golden):
 def test_ddtree_noisy_equals_golden_with_partial_acceptance(engine_and_golden):
     engine, golden = engine_and_golden
     records = []
-    result = engine.generate(PROMPT, 24, mode="ddtree", drafter="noisy:0.6", golden=golden, on_step=records.append)
+    result = engine.generate(PROMPT, DecodeConfig(24, mode="ddtree", drafter="noisy:0.6"), golden=golden,
+                             on_step=records.append)
     assert result.golden_match
     assert 1.0 < result.mean_tau < 8.0
     _check_records(records, golden.tokens)
@@ -74,8 +76,8 @@ def test_ddtree_noisy_equals_golden_with_partial_acceptance(engine_and_golden):
 @pytest.mark.slow
 def test_ddtree_sampling_equals_ar_sampling(engine_and_golden):
     engine, _ = engine_and_golden
-    ar = engine.generate(PROMPT, 16, mode="ar", temperature=1.0, seed=5)
-    tree = engine.generate(PROMPT, 16, mode="ddtree", drafter="noisy:0.7", temperature=1.0, seed=5)
+    ar = engine.generate(PROMPT, DecodeConfig(16, mode="ar", temperature=1.0, seed=5))
+    tree = engine.generate(PROMPT, DecodeConfig(16, mode="ddtree", drafter="noisy:0.7", temperature=1.0, seed=5))
     assert np.array_equal(ar.tokens, tree.tokens)
     golden = engine.golden(PROMPT, 16, temperature=1.0, seed=5)
     assert np.array_equal(ar.tokens, golden.tokens)
@@ -93,13 +95,14 @@ def k2_mini():
 def test_k2_mini_ar_and_ddtree_oracle(k2_mini):
     engine, golden = k2_mini
     records = []
-    ar = engine.generate(PROMPT, 64, mode="ar", golden=golden, on_step=records.append)
+    ar = engine.generate(PROMPT, DecodeConfig(64, mode="ar"), golden=golden, on_step=records.append)
     worst = max(float(np.max(r["logit_max_abs_diff"])) for r in records)
     print(f"k2-mini AR: golden match {ar.golden_match}, max |dlogit| {worst:.2e}")
     assert ar.golden_match
     _check_records(records, golden.tokens)
     records = []
-    tree = engine.generate(PROMPT, 64, mode="ddtree", drafter="oracle", golden=golden, on_step=records.append)
+    tree = engine.generate(PROMPT, DecodeConfig(64, mode="ddtree", drafter="oracle"), golden=golden,
+                           on_step=records.append)
     print(f"k2-mini DDTree oracle: golden match {tree.golden_match}, mean tau {tree.mean_tau:.2f}, "
           f"steps {tree.steps}")
     assert tree.golden_match and tree.mean_tau == 8.0
@@ -111,8 +114,8 @@ def test_k2_mini_ar_and_ddtree_oracle(k2_mini):
 def test_k2_mini_ddtree_noisy_budgets(k2_mini, budget):
     engine, golden = k2_mini
     records = []
-    result = engine.generate(PROMPT, 64, mode="ddtree", drafter="noisy:0.7", budget=budget, golden=golden,
-                             on_step=records.append)
+    config = DecodeConfig(64, mode="ddtree", drafter="noisy:0.7", budget=budget)
+    result = engine.generate(PROMPT, config, golden=golden, on_step=records.append)
     print(f"k2-mini DDTree noisy:0.7 budget {budget}: golden match {result.golden_match}, "
           f"mean tau {result.mean_tau:.2f}, steps {result.steps}")
     assert result.golden_match

@@ -12,7 +12,8 @@ import h5py
 import numpy as np
 import pytest
 
-from kdspec.traces import STEP_FIELDS, TraceError, TraceWriter, check, info_json, info_text, open_trace
+from kdspec.traces import (STEP_FIELDS, RunMetadata, TraceError, TraceWriter, check, info_json, info_text,
+                           open_trace)
 from kdspec.traces.schema import SCHEMA_VERSION, STAGES
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "trace-format.md"
@@ -91,12 +92,16 @@ def make_run(seed, num_steps, block_size, budget, draft_topk, vocab=64, prompt_l
     return records, output, golden_out
 
 
+def decode_config(block_size, budget, draft_topk, seed=7):
+    """The decode_config dict a writer needs (as the engine's DecodeConfig.as_dict() gives it)."""
+    return {"mode": "ar" if block_size == 1 else "ddtree", "block_size": block_size, "budget": budget,
+            "topk": draft_topk, "seed": seed, "temperature": 0.0}
+
+
 def write_run(path, records, output, golden, *, block_size, budget, draft_topk, finish=True, **kw):
-    mode = "ar" if block_size == 1 else "ddtree"
-    writer = TraceWriter(path, mode=mode, model_config=MODEL_CONFIG,
-                         decode_config={"block_size": block_size, "budget": budget, "temperature": 0.0},
-                         backend="reference", device="cpu", seed=7, prompt_tokens=[1, 2, 3, 4, 5],
-                         block_size=block_size, budget=budget, draft_topk=draft_topk, **kw)
+    run = RunMetadata(decode_config(block_size, budget, draft_topk), MODEL_CONFIG, backend="reference",
+                      device="cpu", prompt_tokens=[1, 2, 3, 4, 5])
+    writer = TraceWriter(path, run, **kw)
     for record in records:
         writer.write_step(record)
     if finish:
@@ -115,7 +120,7 @@ def test_every_field_reads_back_as_written(tmp_path, block_size, budget, draft_t
     records, output, golden = make_run(1, 12, block_size, budget, draft_topk, logits=True)
     path = tmp_path / "run.h5"
     write_run(path, records, output, golden, block_size=block_size, budget=budget, draft_topk=draft_topk,
-              save_logits=True, vocab_size=64)
+              save_logits=True)
     with open_trace(path) as r:
         assert r.num_steps == len(records) and r.is_complete
         meta = r.metadata
@@ -270,8 +275,7 @@ def test_no_overwrite_without_force(tmp_path):
 
 def test_bad_records_are_rejected(tmp_path):
     records, output, golden = make_run(6, 1, 4, 3, 2)
-    writer = TraceWriter(tmp_path / "x.h5", mode="ddtree", model_config={}, decode_config={}, backend="b",
-                         device="d", seed=0, prompt_tokens=[1], block_size=4, budget=3, draft_topk=2)
+    writer = TraceWriter(tmp_path / "x.h5", RunMetadata(decode_config(4, 3, 2), {}, "b", "d", [1]))
     good = records[0]
     for change, needle in [({"tree_tokens": None}, "lacks"), ({"extra": 1}, "unknown"),
                            ({"draft_ids": np.zeros((3, 3), np.int32)}, "draft_ids"),
@@ -288,9 +292,14 @@ def test_bad_records_are_rejected(tmp_path):
     writer.close()
     with open_trace(tmp_path / "x.h5") as r:
         assert r.num_steps == 1
-    with pytest.raises(TraceError):
-        TraceWriter(tmp_path / "y.h5", mode="ar", model_config={}, decode_config={}, backend="b", device="d",
-                    seed=0, prompt_tokens=[1], block_size=8, budget=7)
+    for bad, needle in (({**decode_config(8, 7, 0), "mode": "ar"}, "an AR trace has block_size 1 and budget 0"),
+                        ({"mode": "ddtree", "block_size": 8}, "decode_config lacks ['budget', 'topk', 'seed']"),
+                        ({**decode_config(8, 7, 7), "mode": "beam"}, "mode must be one of"),
+                        (decode_config(8, -1, 7), "budget must be an integer >= 0")):
+        with pytest.raises(TraceError) as excinfo:
+            TraceWriter(tmp_path / "y.h5", RunMetadata(bad, {}, "b", "d", [1]))
+        assert needle in str(excinfo.value) and "\n" not in str(excinfo.value)
+        assert not (tmp_path / "y.h5").exists()
 
 
 def _valid_trace(tmp_path, name="valid.h5", steps=30):
@@ -356,8 +365,7 @@ def test_same_records_give_same_contents(tmp_path):
     records, output, golden = make_run(8, 15, 8, 7, 7, logits=True)
     paths = [tmp_path / "a.h5", tmp_path / "b.h5"]
     for path in paths:
-        write_run(path, records, output, golden, block_size=8, budget=7, draft_topk=7, save_logits=True,
-                  vocab_size=64)
+        write_run(path, records, output, golden, block_size=8, budget=7, draft_topk=7, save_logits=True)
     volatile = {"start_time", "end_time", "time_trace_write_last"}
     with open_trace(paths[0]) as a, open_trace(paths[1]) as b:
         meta_a = {k: v for k, v in a.metadata.items() if k not in volatile and k != "prompt_tokens"}
@@ -381,8 +389,9 @@ def test_docs_describe_every_field_and_attribute(tmp_path):
 
 
 def test_traces_imports_neither_engine_nor_app():
-    code = ("import sys, traces, traces.report; bad = [m for m in sys.modules if m.split('.')[0] in "
-            "('engine', 'kdtree_tui', 'numba', 'textual')]; print(bad); sys.exit(bool(bad))")
+    code = ("import sys, kdspec.traces, kdspec.traces.report; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('numba', 'textual') or m.split('.')[:2] in (['kdspec', 'engine'], ['kdspec', 'kdtree_tui'])]; "
+            "print(bad); sys.exit(bool(bad))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stdout + result.stderr

@@ -22,11 +22,11 @@ WRITER = f"""
 import sys, time
 sys.path.insert(0, {str(TESTS)!r})
 from test_traces import make_run, write_run
-from traces import TraceWriter
+from test_traces import decode_config
+from kdspec.traces import RunMetadata, TraceWriter
 path, delay = sys.argv[1], float(sys.argv[2])
 records, output, golden = make_run({SEED}, {STEPS}, 8, 7, 7)
-writer = TraceWriter(path, mode="ddtree", model_config={{"name": "tiny"}}, decode_config={{}}, backend="reference",
-                     device="cpu", seed=0, prompt_tokens=[1, 2, 3, 4, 5], block_size=8, budget=7, draft_topk=7)
+writer = TraceWriter(path, RunMetadata(decode_config(8, 7, 7), {{"name": "tiny"}}, "reference", "cpu", [1, 2, 3, 4, 5]))
 print(0, flush=True)
 for record in records:
     writer.write_step(record)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from kdspec.engine.decode import api
-from kdspec.traces import TraceWriter, open_trace
+from kdspec.engine.decode.config import DecodeConfig
+from kdspec.traces import RunMetadata, TraceWriter, open_trace
 
 ENV = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
 
@@ -37,13 +38,14 @@ def test_sim_trace_round_trips_every_field(tmp_path):
     golden = engine.golden("abc", 12 + 8)
     records = []
     path = tmp_path / "rt.h5"
-    with TraceWriter(path, mode="ddtree", model_config=engine.cfg.to_hf_dict(), decode_config={"budget": 7},
-                     backend="sim", device="CUDA simulator", seed=3, prompt_tokens=[97, 98, 99], block_size=8,
-                     budget=7, draft_topk=7) as writer:
+    config = DecodeConfig(12, mode="ddtree", drafter="noisy:0.6", seed=3)
+    run = RunMetadata(config.resolved(engine.cfg.vocab_size).as_dict(), engine.cfg.to_hf_dict(), "sim",
+                      "CUDA simulator", prompt_tokens=[97, 98, 99])
+    with TraceWriter(path, run) as writer:
         def on_step(record):
             records.append({k: np.copy(v) for k, v in record.items()})
             writer.write_step(record)
-        result = engine.generate("abc", 12, mode="ddtree", drafter="noisy:0.6", golden=golden, on_step=on_step)
+        result = engine.generate("abc", config, golden=golden, on_step=on_step)
         writer.finish(result.tokens, golden.tokens[:12])
     assert result.golden_match
     with open_trace(path) as reader:

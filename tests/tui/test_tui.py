@@ -265,11 +265,11 @@ async def test_compare_aligns_by_position(trace_dir, records):
 
 FOLLOW_WRITER = textwrap.dedent("""
     import sys
-    from kdtree_tui.synthetic import synthetic_metadata, synthetic_records
-    from traces.writer import TraceWriter
+    from kdspec.kdtree_tui.synthetic import synthetic_metadata, synthetic_records
+    from kdspec.traces.writer import TraceWriter
     path, first = sys.argv[1], int(sys.argv[2])
     records = synthetic_records(first * 2)
-    with TraceWriter(path, **synthetic_metadata(), compression="lzf") as w:
+    with TraceWriter(path, synthetic_metadata(), compression="lzf") as w:
         for _ in range(first):
             w.write_step(next(records))
         print("ready", flush=True)
