@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from kdspec.engine.model.config import PRESETS, ModelConfig
+from kdspec.engine.model.config import PRESETS, ModelConfig, model_names, shipped_model_dir
 from kdspec.engine.model.safetensors_io import (
     SafetensorsError,
     SafetensorsFile,
@@ -141,16 +141,24 @@ def save_model(directory: str | Path, cfg: ModelConfig, weights: dict[str, np.nd
 
 # -- loading ------------------------------------------------------------------------------------------------
 def _checkpoint_dir(model: str | Path) -> Path:
-    path = Path(model)
+    path = shipped_model_dir(model) or Path(model)
     if not path.is_dir():
-        raise CheckpointError(f"unknown model {str(model)!r}: not a preset ({', '.join(PRESETS)}) nor a directory")
+        raise CheckpointError(f"unknown model {str(model)!r}: not a model name ({', '.join(model_names())}) nor a "
+                              f"directory")
     if not (path / CONFIG_FILE).is_file():
         raise CheckpointError(f"{path}: no {CONFIG_FILE}")
     return path
 
 
+def model_directory(model: str | Path) -> Optional[Path]:
+    """The directory a model name or path reads from (None for a random preset)."""
+    if isinstance(model, str) and model in PRESETS:
+        return None
+    return _checkpoint_dir(model)
+
+
 def load_model_config(model: str | Path) -> ModelConfig:
-    """The config of a preset name or a checkpoint directory, without touching any tensor."""
+    """The config of a preset name, shipped model or checkpoint directory, without touching any tensor."""
     if isinstance(model, str) and model in PRESETS:
         return PRESETS[model]
     return ModelConfig.from_json_file(_checkpoint_dir(model) / CONFIG_FILE)
@@ -260,7 +268,8 @@ def _dequantize(name: str, codes: np.ndarray, scale_inv: np.ndarray, block: tupl
 
 
 def load_model(model: str | Path, seed: int = 0) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """A preset name (seeded random weights) or a checkpoint directory -> (config, float32 weights by HF name).
+    """A preset name (seeded random weights), a shipped model's name or a checkpoint directory -> (config, float32
+    weights by HF name).
 
     Weights read from F32 files are read-only views of the memory-mapped file (copy before writing in place).
     """

@@ -253,6 +253,11 @@ def _rope_fields(cfg: dict[str, Any]) -> tuple[dict[str, Any], Optional[YarnScal
     rope_params = cfg.get("rope_parameters")
     if rope_params is not None and not isinstance(rope_params, dict):
         raise ConfigError("rope_parameters must be a JSON object")
+    # The engine rotates adjacent pairs, the official checkpoints' layout, which transformers reads when
+    # rope_interleave is true (its default); a model trained with it false rotates the two halves instead.
+    if cfg.get("rope_interleave", True) is not True:
+        raise ConfigError(f"rope_interleave {cfg.get('rope_interleave')!r} is not supported: the engine's RoPE "
+                          f"rotates adjacent pairs (rope_interleave true)")
     scaling = cfg.get("rope_scaling")
     if scaling is None and rope_params is not None:
         scaling, scaling_field = rope_params, "rope_parameters"
@@ -317,11 +322,28 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+# Trained models shipped in the package, by name: HF model directories (config.json, model.safetensors,
+# tokenizer.json, manifest.json: how each was made).
+SHIPPED_MODELS_DIR = Path(__file__).resolve().parent / "presets"
+SHIPPED_MODELS = ("pycoder-mini",)
+
+
+def shipped_model_dir(model) -> Optional[Path]:
+    """The directory of a shipped trained model (``pycoder-mini``), or None for any other name."""
+    return SHIPPED_MODELS_DIR / model if isinstance(model, str) and model in SHIPPED_MODELS else None
+
+
+def model_names() -> tuple[str, ...]:
+    """Every name ``--model`` takes besides a directory: random presets, then shipped trained models."""
+    return tuple(PRESETS) + SHIPPED_MODELS
+
+
 def resolve_config(model: str) -> ModelConfig:
-    """A preset name, or a model directory holding ``config.json``."""
+    """A preset name, a shipped model's name, or a model directory holding ``config.json``."""
     if model in PRESETS:
         return PRESETS[model]
-    path = Path(model)
+    path = shipped_model_dir(model) or Path(model)
     if path.is_dir():
         return ModelConfig.from_json_file(path / "config.json")
-    raise ConfigError(f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) nor a model directory")
+    raise ConfigError(f"unknown model {model!r}: not a model name ({', '.join(model_names())}) nor a model "
+                      f"directory")

@@ -557,8 +557,8 @@ def rewrite(directory, weights, **dtypes):
 
 
 def test_error_missing_directory(tmp_path):
-    assert_checkpoint_error(str(tmp_path / "nowhere"), "nowhere", "not a preset")
-    with pytest.raises(CheckpointError, match="not a preset"):
+    assert_checkpoint_error(str(tmp_path / "nowhere"), "nowhere", "not a model name")
+    with pytest.raises(CheckpointError, match="not a model name"):
         load_model_config(str(tmp_path / "nowhere"))
 
 

@@ -292,7 +292,7 @@ def test_missing_json_file(tmp_path):
 
 
 def test_unknown_model_name():
-    with pytest.raises(ConfigError, match="not a preset"):
+    with pytest.raises(ConfigError, match="not a model name"):
         resolve_config("no-such-preset-or-directory")
 
 
@@ -321,3 +321,19 @@ def test_wrong_types_raise_config_error(changes):
 def test_wrong_values_rejected(changes):
     with pytest.raises(ConfigError):
         ModelConfig.from_hf_dict(kimi_k2(**changes))
+
+
+def test_rope_interleave_false_is_refused():
+    # half-split RoPE would silently compute other attention scores than the engine's adjacent pairs
+    assert_config_error(kimi_k2(rope_interleave=False), "rope_interleave")
+    assert ModelConfig.from_hf_dict(kimi_k2(rope_interleave=True)) == ModelConfig.from_hf_dict(kimi_k2())
+
+
+def test_shipped_model_resolves_by_name():
+    cfg = resolve_config("pycoder-mini")
+    # every architectural feature of DeepSeek-V3 / Kimi K2 is on in the shipped trained target
+    assert cfg.q_lora_rank is not None and cfg.rope_scaling is not None and cfg.n_shared_experts >= 1
+    assert cfg.n_group > 1 and cfg.topk_group < cfg.n_group and cfg.first_k_dense_replace >= 1
+    assert cfg.scoring_func == "sigmoid" and cfg.topk_method == "noaux_tc"
+    with pytest.raises(ConfigError, match="pycoder-mini"):
+        resolve_config("no-such-model")
