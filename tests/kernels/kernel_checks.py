@@ -1,5 +1,7 @@
-"""Checks shared by the kernel tests: NaN-poisoned outputs and closeness to a float64 reference."""
+"""Checks shared by the kernel tests: NaN-poisoned outputs, closeness to a float64 reference, one check
+parametrised at a toy (simulator) and a K2 (GPU) size."""
 import numpy as np
+import pytest
 from numba import cuda
 
 
@@ -28,3 +30,12 @@ def rope_table(cfg, max_positions=None, stream=0):
     cos, sin = rope_cos_sin(cfg, np.arange(count, dtype=np.int64))
     return RopeTable(cuda.to_device(cos.astype(np.float32), stream=stream),
                      cuda.to_device(sin.astype(np.float32), stream=stream))
+
+
+def by_size(toy_cases, k2_cases):
+    """pytest parameters (size, case) of one check at two sizes: "toy" cases marked sim (the simulator runs
+    them; on a GPU they run for real), "k2" cases (Kimi K2 sizes) marked gpu (skipped without a GPU)."""
+    def case_id(case):
+        return "-".join(map(str, case)) if isinstance(case, tuple) else str(case)
+    return ([pytest.param("toy", case, marks=pytest.mark.sim, id=f"toy-{case_id(case)}") for case in toy_cases]
+            + [pytest.param("k2", case, marks=pytest.mark.gpu, id=f"k2-{case_id(case)}") for case in k2_cases])
