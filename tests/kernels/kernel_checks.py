@@ -32,10 +32,12 @@ def rope_table(cfg, max_positions=None, stream=0):
                      cuda.to_device(sin.astype(np.float32), stream=stream))
 
 
-def by_size(toy_cases, k2_cases):
+def by_size(toy_cases, k2_cases, case_id=None):
     """pytest parameters (size, case) of one check at two sizes: "toy" cases marked sim (the simulator runs
-    them; on a GPU they run for real), "k2" cases (Kimi K2 sizes) marked gpu (skipped without a GPU)."""
-    def case_id(case):
-        return "-".join(map(str, case)) if isinstance(case, tuple) else str(case)
+    them; on a GPU they run for real), "k2" cases (Kimi K2 sizes) marked gpu (skipped without a GPU).
+    case_id(case) names a case in the test id (default: its values joined by "-")."""
+    if case_id is None:
+        def case_id(case):
+            return "-".join(map(case_id, case)) if isinstance(case, tuple) else str(case)
     return ([pytest.param("toy", case, marks=pytest.mark.sim, id=f"toy-{case_id(case)}") for case in toy_cases]
             + [pytest.param("k2", case, marks=pytest.mark.gpu, id=f"k2-{case_id(case)}") for case in k2_cases])
