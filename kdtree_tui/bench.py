@@ -1,8 +1,9 @@
 """`kdtree bench tui`: the trace debugger on a 100k-step synthetic trace: first paint, per-key latency, memory.
 
-``run(args) -> rows`` writes (or reuses, in the temp dir) a synthetic trace through traces' writer
-(kdtree_tui.synthetic), then runs the app headless (Textual's test driver) in a fresh subprocess, so the
-numbers include Python's start, the imports and nothing left over from the parent:
+``run(args, write_trace=...) -> rows`` writes (or reuses, in the temp dir) a synthetic trace with
+``write_trace(path, steps, force=True)`` (the command line passes engine.bench.synthetic.write_synthetic_trace:
+the app never imports the engine), then runs the app headless (Textual's test driver) in a fresh subprocess,
+so the numbers include Python's start, the imports and nothing left over from the parent:
 
 - first paint: launch of the subprocess to the first frame the app composes (status line, step list rows
   as placeholders); also from opening the trace (TraceApp()) to that frame, and to the first frame that
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 SUITE = "tui"
 STEPS = 100_000
@@ -31,27 +32,37 @@ QUICK_STEPS = 2_000
 KEYS = ("j",) * 40 + ("pagedown",) * 20 + ("k",) * 20 + ("n",) * 20
 SIZE = (120, 40)
 FIRST_PAINT_S, KEY_MS, RSS_MB = 1.0, 50.0, 300.0
-TRACE_VERSION = 1  # bump when kdtree_tui.synthetic changes what it writes: old cached traces are ignored
+TRACE_VERSION = 2  # bump when engine.bench.synthetic changes what it writes: old cached traces are ignored
 CHILD_TIMEOUT_S = 600
 
 
-def run(args=None, *, quick: Optional[bool] = None, steps: Optional[int] = None) -> list[dict]:
+def run(args=None, *, quick: Optional[bool] = None, steps: Optional[int] = None,
+        write_trace: Optional[Callable[..., str]] = None, trace: Optional[str] = None) -> list[dict]:
     """Measure the app; returns result rows (suite, metric, value, unit, target, ok, ...).
 
-    args: an argparse namespace (its ``quick`` / ``steps`` attributes are used when present) or None.
+    args: an argparse namespace (its ``quick`` / ``steps`` / ``trace`` attributes are used when present) or None.
     quick: a 2000-step trace (CI smoke run; the targets still apply but mean little).
+    write_trace: writes the synthetic trace (``synthetic_trace``); trace: an existing trace to measure instead.
     """
+    from kdspec.traces.reader import open_trace
+
     quick = bool(getattr(args, "quick", False)) if quick is None else quick
-    steps = steps or getattr(args, "steps", None) or (QUICK_STEPS if quick else STEPS)
-    path = synthetic_trace(int(steps))
-    result = measure_in_subprocess(path)
-    return result_rows(result, int(steps))
+    trace = trace or getattr(args, "trace", None)
+    if trace is None:
+        if write_trace is None:
+            raise ValueError("the TUI bench needs a trace: run `kdtree bench tui` (it writes a synthetic one) "
+                             "or pass --trace PATH")
+        steps = steps or getattr(args, "steps", None) or (QUICK_STEPS if quick else STEPS)
+        trace = synthetic_trace(int(steps), write_trace)
+    with open_trace(trace) as reader:
+        steps = reader.num_steps
+    return result_rows(measure_in_subprocess(trace), steps)
 
 
-def synthetic_trace(steps: int, directory: Optional[str] = None) -> str:
+def synthetic_trace(steps: int, write_trace: Callable[..., str], directory: Optional[str] = None) -> str:
     """The path of a complete ``steps``-step synthetic trace in ``directory`` (default: the temp dir),
-    written now unless an earlier run left one there (about a millisecond per step)."""
-    from kdspec.kdtree_tui.synthetic import write_synthetic_trace
+    written now by ``write_trace(path, steps, force=True)`` unless an earlier run left one there (about a
+    millisecond per step)."""
     from kdspec.traces.reader import open_trace
     from kdspec.traces.schema import TraceError
 
@@ -68,7 +79,7 @@ def synthetic_trace(steps: int, directory: Optional[str] = None) -> str:
     _progress(f"writing a {steps}-step synthetic trace to {path} ...")
     partial = f"{path}.{os.getpid()}.partial"
     start = time.perf_counter()
-    write_synthetic_trace(partial, steps, force=True)
+    write_trace(partial, steps, force=True)
     os.replace(partial, path)  # never leave a half-written trace under the reused name
     _progress(f"wrote it in {time.perf_counter() - start:.0f} s")
     return path
@@ -207,7 +218,7 @@ def _child(argv: list[str]) -> int:
     import argparse
     import asyncio
 
-    parser = argparse.ArgumentParser(prog="python -m kdtree_tui.benchmarks.tui")
+    parser = argparse.ArgumentParser(prog="python -m kdspec.kdtree_tui.bench")
     parser.add_argument("--child", metavar="TRACE", required=True)
     parser.add_argument("--keys", default=",".join(KEYS))
     args = parser.parse_args(argv)
@@ -217,15 +228,15 @@ def _child(argv: list[str]) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m kdtree_tui.benchmarks.tui [--quick] [--steps N]` prints the rows; `--child TRACE` measures."""
+    """`python -m kdspec.kdtree_tui.bench --trace PATH` prints the rows for a trace (`kdtree bench tui` writes
+    the synthetic one); `--child TRACE` measures."""
     import argparse
 
     argv = sys.argv[1:] if argv is None else argv
     if "--child" in argv:
         return _child(argv)
-    parser = argparse.ArgumentParser(prog="python -m kdtree_tui.benchmarks.tui")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--steps", type=int)
+    parser = argparse.ArgumentParser(prog="python -m kdspec.kdtree_tui.bench")
+    parser.add_argument("--trace", required=True, help="the trace to measure the debugger on")
     args = parser.parse_args(argv)
     rows = run(args)
     for r in rows:

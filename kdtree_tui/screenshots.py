@@ -1,18 +1,16 @@
-"""Write SVG screenshots of the main screens (for the README): `python -m kdtree_tui.screenshots DIR`.
+"""SVG screenshots of the main screens (for the README): ``write_screenshots(directory, trace, compare)``.
 
-Uses synthetic traces, so the pictures are reproducible; the traces' own write times read as 0.
+`python3 -m tools.screenshots [DIR]` writes them from two synthetic traces (engine.bench.synthetic), so the
+pictures are reproducible; the traces' own write times read as 0.
 """
 from __future__ import annotations
 
 import asyncio
 import os
-import sys
-import tempfile
 
 import numpy as np
 
 from kdspec.kdtree_tui.app import TraceApp
-from kdspec.kdtree_tui.synthetic import write_synthetic_trace
 
 SIZE = (110, 32)
 # (file name, keys pressed after going to the step, step)
@@ -57,20 +55,13 @@ async def _shoot(app: TraceApp, keys, step: int, out: str) -> None:
         app.save_screenshot(os.path.basename(out), path=os.path.dirname(out))
 
 
-def write_screenshots(directory: str) -> list[str]:
+def write_screenshots(directory: str, trace: str, compare: str) -> list[str]:
+    """The SHOTS of ``trace`` (``compare`` beside it in the compare view) as SVG files in ``directory``."""
     os.makedirs(directory, exist_ok=True)
     written = []
-    with tempfile.TemporaryDirectory() as tmp:
-        a = write_synthetic_trace(os.path.join(tmp, "budget16.h5"), 400)
-        b = write_synthetic_trace(os.path.join(tmp, "budget4.h5"), 400, budget=4, seed=3)
-        for name, keys, step in SHOTS:
-            app = TraceApp(a, compare=b, opener=stable_opener)
-            out = os.path.join(directory, name)
-            asyncio.run(_shoot(app, keys, step, out))
-            written.append(out)
+    for name, keys, step in SHOTS:
+        app = TraceApp(trace, compare=compare, opener=stable_opener)
+        out = os.path.join(directory, name)
+        asyncio.run(_shoot(app, keys, step, out))
+        written.append(out)
     return written
-
-
-if __name__ == "__main__":
-    for path in write_screenshots(sys.argv[1] if len(sys.argv) > 1 else "docs/screenshots"):
-        print(path)

@@ -1,26 +1,31 @@
 """Synthetic DDTree traces: consistent step records from a made-up drafter and target, written through
-traces' writer. For the app's tests and for measuring the app on big traces (`kdtree bench tui`).
+traces' writer. For the debugger's tests and for measuring it on big traces (`kdtree bench tui`: the command
+line hands ``write_synthetic_trace`` to kdtree_tui/bench.py, which may not import the engine).
 
 The "model" continues a fixed English passage (byte-level token ids): the target always predicts the
 passage's next byte, except at injected anomaly steps; the drafter puts the passage's byte at rank 0
 with a per-step hit probability and random distractors elsewhere. Trees are built best-first under the
-budget exactly as DDTree does, accepted greedily, and compacted, so every record obeys the step record's
-invariants (docs/architecture.md). No engine, no numba.
+budget and accepted greedily by the reference algorithms (engine.golden.ddtree), and the records are built by
+the engine's record builder (engine.decode.records), so every record obeys the step record's invariants
+(docs/trace-format.md). No numba.
 
 Dimension letters: L drafted depths (block_size - 1), K drafter top-K, B budget, N+1 tree nodes, T = 8.
 """
 from __future__ import annotations
 
-import heapq
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
+
+from kdspec.engine.decode.records import StepOutcome, TargetReadout, step_record
+from kdspec.engine.golden import ddtree
+from kdspec.traces.schema import STAGES, TARGET_TOPK
+from kdspec.traces.writer import RunMetadata, TraceWriter
 
 PASSAGE = (b"The quick brown fox jumps over the lazy dog. Speculative decoding drafts a tree of likely "
            b"continuations, verifies every node in one forward pass, and keeps the longest accepted path. ")
 PASSAGE_IDS = np.frombuffer(PASSAGE, np.uint8).astype(np.int32)
-TARGET_TOPK = 8
 # Anomalies injected every ANOMALY_PERIOD steps (when anomalies=True), at these offsets in the period:
 DIVERGE_OFFSET, DLOGIT_OFFSET, CACHE_OFFSET = 7, 13, 21
 ANOMALY_PERIOD = 29
@@ -29,31 +34,6 @@ ANOMALY_PERIOD = 29
 def passage_token(position: int) -> int:
     """The synthetic golden token at an absolute position (the passage repeated)."""
     return PASSAGE[position % len(PASSAGE)]
-
-
-def _build_tree(logprobs: np.ndarray, ids: np.ndarray, root: int, budget: int):
-    """Best-first tree of the B most probable prefixes (docs/ddtree.md rules, float32 scores)."""
-    depth_limit, top_k = logprobs.shape
-    tokens, parents, depths, ranks, scores = [root], [-1], [0], [0], [np.float32(0)]
-    heap = []
-    if depth_limit and top_k and budget:
-        heap.append((-float(logprobs[0, 0]), (0,), 0, 1, 0, np.float32(logprobs[0, 0])))
-    while heap and len(tokens) <= budget:
-        _, path, parent, depth, rank, score = heapq.heappop(heap)
-        node = len(tokens)
-        tokens.append(int(ids[depth - 1, rank]))
-        parents.append(parent)
-        depths.append(depth)
-        ranks.append(rank)
-        scores.append(score)
-        if rank + 1 < top_k:  # next sibling: same parent, next rank
-            sibling = np.float32(scores[parent] + logprobs[depth - 1, rank + 1])
-            heapq.heappush(heap, (-float(sibling), path[:-1] + (rank + 1,), parent, depth, rank + 1, sibling))
-        if depth < depth_limit:  # first child
-            child = np.float32(score + logprobs[depth, 0])
-            heapq.heappush(heap, (-float(child), path + (0,), node, depth + 1, 0, child))
-    return (np.array(tokens, np.int32), np.array(parents, np.int32), np.array(depths, np.int32),
-            np.array(ranks, np.int32), np.array(scores, np.float32))
 
 
 def _distinct_others(rng: np.random.Generator, avoid: np.ndarray, count: int) -> np.ndarray:
@@ -76,6 +56,43 @@ def _target_topk(rng: np.random.Generator, choice: np.ndarray, margin: np.ndarra
     return ids.astype(np.int32), np.concatenate([top[:, None], rest], axis=1).astype(np.float32)
 
 
+def _draft(rng: np.random.Generator, prefix: int, num_depths: int, draft_topk: int):
+    """The drafter: the passage's byte at rank 0 with a per-step hit rate, else only distractors.
+    Returns (ids int32 [L, K], logprobs float32 [L, K] sorted descending)."""
+    hit_rate = 0.7 + 0.3 * rng.random()
+    golden_next = PASSAGE_IDS[(prefix + 1 + np.arange(num_depths)) % len(PASSAGE)]
+    distractors = _distinct_others(rng, golden_next, draft_topk)
+    hits = rng.random(num_depths) < hit_rate
+    ids = np.where(hits[:, None], np.concatenate([golden_next[:, None], distractors[:, :-1]], axis=1),
+                   distractors).astype(np.int32)
+    logprobs = -np.sort(rng.exponential(1.0, size=(num_depths, draft_topk)).astype(np.float32), axis=1)
+    logprobs[:, 0] *= 0.2
+    return ids, logprobs
+
+
+def _target_choice(rng: np.random.Generator, tree: ddtree.Tree, prefix: int) -> np.ndarray:
+    """The target: the passage's next byte wherever the path so far is the passage, else a random byte."""
+    matches = (tree.tokens == PASSAGE_IDS[(prefix + tree.depths) % len(PASSAGE)]).tolist()
+    on_passage = [True] * tree.num_nodes
+    for i in range(1, tree.num_nodes):  # parents come before children
+        on_passage[i] = on_passage[tree.parents[i]] and matches[i]
+    return np.where(on_passage, PASSAGE_IDS[(prefix + tree.depths + 1) % len(PASSAGE)],
+                    rng.integers(32, 127, size=tree.num_nodes)).astype(np.int32)
+
+
+def _golden_fields(rng: np.random.Generator, prefix: int, tau: int, phase: Optional[int], flip: bool) -> dict:
+    """golden_tokens, logit_max_abs_diff, cache_max_abs_diff of a step: ~1e-6 differences, or the anomalies of
+    its ``phase`` (None: no anomalies)."""
+    dlogit = (rng.random(tau) * 2e-6).astype(np.float32)
+    if phase == DLOGIT_OFFSET:
+        dlogit[-1] = 0.5
+    if flip:
+        dlogit[0] = 0.02
+    return {"golden_tokens": PASSAGE_IDS[(prefix + 1 + np.arange(tau)) % len(PASSAGE)],
+            "logit_max_abs_diff": dlogit,
+            "cache_max_abs_diff": np.float32(0.25 if phase == CACHE_OFFSET else rng.random() * 1e-6)}
+
+
 def synthetic_records(num_steps: int, *, block_size: int = 8, budget: int = 16, draft_topk: int = 4,
                       prompt_len: int = 16, seed: int = 0, anomalies: bool = True) -> Iterator[dict]:
     """Yield ``num_steps`` DDTree step records (plain dicts of numpy arrays / scalars).
@@ -84,69 +101,28 @@ def synthetic_records(num_steps: int, *, block_size: int = 8, budget: int = 16, 
     margin 0.01), one large |dlogit| (0.5) and one cache mismatch (0.25); other steps stay at ~1e-6.
     """
     rng = np.random.default_rng(seed)
-    num_depths = block_size - 1
     prefix = prompt_len
     root = passage_token(prefix)
     for step in range(num_steps):
-        phase = step % ANOMALY_PERIOD
-        hit_rate = 0.7 + 0.3 * rng.random()
-        # Drafter: the passage byte at rank 0 with probability hit_rate, else only distractors.
-        golden_next = PASSAGE_IDS[(prefix + 1 + np.arange(num_depths)) % len(PASSAGE)]
-        distractors = _distinct_others(rng, golden_next, draft_topk)
-        hits = rng.random(num_depths) < hit_rate
-        ids = np.where(hits[:, None], np.concatenate([golden_next[:, None], distractors[:, :-1]], axis=1),
-                       distractors).astype(np.int32)
-        logprobs = -np.sort(rng.exponential(1.0, size=(num_depths, draft_topk)).astype(np.float32), axis=1)
-        logprobs[:, 0] *= 0.2
-        tokens, parents, depths, ranks, scores = _build_tree(logprobs, ids, root, budget)
-        num_nodes = len(tokens)
-        # Target: the passage's next byte wherever the path so far is the passage, else a random byte.
-        matches = (tokens == PASSAGE_IDS[(prefix + depths) % len(PASSAGE)]).tolist()
-        on_passage = [True] * num_nodes
-        for i in range(1, num_nodes):  # parents come before children
-            on_passage[i] = on_passage[parents[i]] and matches[i]
-        choice = np.where(on_passage, PASSAGE_IDS[(prefix + depths + 1) % len(PASSAGE)],
-                          rng.integers(32, 127, size=num_nodes)).astype(np.int32)
-        flip = anomalies and phase == DIVERGE_OFFSET
+        phase = step % ANOMALY_PERIOD if anomalies else None
+        flip = phase == DIVERGE_OFFSET
+        ids, logprobs = _draft(rng, prefix, block_size - 1, draft_topk)
+        tree = ddtree.build_tree(logprobs, ids, root, budget, prefix)
+        choice = _target_choice(rng, tree, prefix)
         if flip:  # a near-tie flip at the root: the engine's choice differs from the golden
             choice[0] = (passage_token(prefix + 1) - 32 + 1) % 95 + 32
-        accepted = [0]
-        parent_list, token_list, choice_list = parents.tolist(), tokens.tolist(), choice.tolist()
-        while True:
-            here = accepted[-1]
-            child = next((c for c in range(here + 1, num_nodes)
-                          if parent_list[c] == here and token_list[c] == choice_list[here]), None)
-            if child is None:
-                break
-            accepted.append(child)
-        accepted = np.array(accepted, np.int32)
+        accepted, bonus = ddtree.accept(tree.parents, tree.tokens, choice)
         tau = len(accepted)
-        bonus = int(choice[accepted[-1]])
-        committed = np.concatenate([tokens[accepted[1:]], [bonus]]).astype(np.int32)
-        golden = PASSAGE_IDS[(prefix + 1 + np.arange(tau)) % len(PASSAGE)]
-        margin = (0.5 + 4 * rng.random(num_nodes)).astype(np.float32)
+        margin = (0.5 + 4 * rng.random(tree.num_nodes)).astype(np.float32)
         if flip:
             margin[0] = 0.01
         topk_ids, topk_logits = _target_topk(rng, choice, margin)
-        dlogit = (rng.random(tau) * 2e-6).astype(np.float32)
-        if anomalies and phase == DLOGIT_OFFSET:
-            dlogit[-1] = 0.5
-        if flip:
-            dlogit[0] = 0.02
-        cache_diff = np.float32(0.25 if anomalies and phase == CACHE_OFFSET else rng.random() * 1e-6)
+        golden = _golden_fields(rng, prefix, tau, phase, flip)
         times = rng.gamma(4.0, 1.0, size=5) * np.array([2e-4, 5e-5, 2e-3, 3e-5, 4e-5])
-        yield {
-            "prefix_len": prefix, "root_token": root, "draft_ids": ids, "draft_logprobs": logprobs,
-            "tree_tokens": tokens, "tree_parents": parents, "tree_depths": depths, "tree_ranks": ranks,
-            "tree_scores": scores, "target_choice": choice, "target_topk_ids": topk_ids,
-            "target_topk_logits": topk_logits, "target_margin": margin, "accepted_nodes": accepted,
-            "bonus_token": bonus, "committed_tokens": committed, "golden_tokens": golden,
-            "logit_max_abs_diff": dlogit, "cache_len_before": prefix, "cache_len_verify": prefix + num_nodes,
-            "cache_len_after": prefix + tau, "compact_src": (prefix + accepted).astype(np.int32),
-            "compact_dst": (prefix + np.arange(tau)).astype(np.int32), "cache_max_abs_diff": cache_diff,
-            "time_draft": times[0], "time_build": times[1], "time_verify": times[2],
-            "time_accept": times[3], "time_compact": times[4],
-        }
+        outcome = StepOutcome(prefix, root, tree, None, choice, accepted, bonus,
+                              ddtree.compaction_moves(prefix, accepted), cache_len_verify=prefix + tree.num_nodes,
+                              cache_len_after=prefix + tau, times=dict(zip(STAGES, times)), draft=(ids, logprobs))
+        yield {**step_record(outcome, TargetReadout(topk_ids, topk_logits, margin)), **golden}
         prefix += tau
         root = bonus
 
@@ -154,8 +130,6 @@ def synthetic_records(num_steps: int, *, block_size: int = 8, budget: int = 16, 
 def synthetic_metadata(*, block_size: int = 8, budget: int = 16, draft_topk: int = 4, prompt_len: int = 16,
                        seed: int = 0):
     """The trace writer's RunMetadata of a synthetic run."""
-    from kdspec.traces.writer import RunMetadata
-
     return RunMetadata(
         decode_config={"mode": "ddtree", "block_size": block_size, "budget": budget, "topk": draft_topk,
                        "drafter": "synthetic", "temperature": 0.0, "seed": seed},
@@ -171,8 +145,6 @@ def write_synthetic_trace(path: str | os.PathLike, num_steps: int, *, block_size
 
     ``finish=False`` leaves the trace in the "recording" state (as a crashed or live run would).
     """
-    from kdspec.traces.writer import TraceWriter
-
     meta = synthetic_metadata(block_size=block_size, budget=budget, draft_topk=draft_topk,
                               prompt_len=prompt_len, seed=seed)
     output, golden = [], []
@@ -191,11 +163,11 @@ def write_synthetic_trace(path: str | os.PathLike, num_steps: int, *, block_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kdtree_tui.synthetic PATH STEPS`: write a synthetic trace and print the time it took."""
+    """`python -m kdspec.engine.bench.synthetic PATH STEPS`: write a synthetic trace and print the time it took."""
     import argparse
     import time
 
-    parser = argparse.ArgumentParser(prog="python -m kdtree_tui.synthetic")
+    parser = argparse.ArgumentParser(prog="python -m kdspec.engine.bench.synthetic")
     parser.add_argument("path")
     parser.add_argument("steps", type=int)
     parser.add_argument("--force", action="store_true")

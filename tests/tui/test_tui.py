@@ -265,7 +265,7 @@ async def test_compare_aligns_by_position(trace_dir, records):
 
 FOLLOW_WRITER = textwrap.dedent("""
     import sys
-    from kdspec.kdtree_tui.synthetic import synthetic_metadata, synthetic_records
+    from kdspec.engine.bench.synthetic import synthetic_metadata, synthetic_records
     from kdspec.traces.writer import TraceWriter
     path, first = sys.argv[1], int(sys.argv[2])
     records = synthetic_records(first * 2)

@@ -1,5 +1,5 @@
 """The app's column loading in pieces (first rows first, then the rest; a growing trace: only new rows) and
-`kdtree bench tui` (kdtree_tui/benchmarks/tui.py) on a tiny trace. Expected values come from the synthetic
+`kdtree bench tui` (kdtree_tui/bench.py) on a tiny trace. Expected values come from the synthetic
 records (plain loops), never from the code under test."""
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from test_tui_helpers import brute_flags, small_records, small_trace
 
+from kdspec.engine.bench.synthetic import write_synthetic_trace
 from kdspec.kdtree_tui import bench
 from kdspec.kdtree_tui.session import TraceSession
 
@@ -87,8 +88,8 @@ def test_rows_compare_against_the_targets():
 
 
 def test_bench_child_runs_on_a_tiny_trace(tmp_path):
-    path = bench.synthetic_trace(60, directory=str(tmp_path))
-    assert bench.synthetic_trace(60, directory=str(tmp_path)) == path  # reused, not rewritten
+    path = bench.synthetic_trace(60, write_synthetic_trace, directory=str(tmp_path))
+    assert bench.synthetic_trace(60, write_synthetic_trace, directory=str(tmp_path)) == path  # reused
     result = bench.measure_in_subprocess(path, keys=("j", "pagedown", "k", "n"))
     assert result["num_steps"] == 60 and len(result["key_ms"]) == 4
     assert all(0 < ms < 10_000 for ms in result["key_ms"])

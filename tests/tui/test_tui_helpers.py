@@ -1,12 +1,12 @@
 """Shared helpers of the TUI tests (no tests here): trace fixtures, settling the app, a stable reader.
 
-Everything the tests compare against comes from the synthetic records themselves (kdtree_tui.synthetic),
+Everything the tests compare against comes from the synthetic records themselves (engine.bench.synthetic),
 never from the app's own computations.
 """
 from __future__ import annotations
 
 from kdspec.kdtree_tui.screenshots import stable_opener  # noqa: F401  (re-exported to the snapshot tests)
-from kdspec.kdtree_tui.synthetic import synthetic_records, write_synthetic_trace
+from kdspec.engine.bench.synthetic import synthetic_records, write_synthetic_trace
 
 # A small trace: 120 steps, block 8, budget 16 (anomalies every 29 steps).
 SMALL_STEPS = 120
