@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import field, fields, make_dataclass
 from typing import Any, Iterable, Optional
 
 import h5py
@@ -23,54 +23,35 @@ _JSON_ATTRS = ("model_config", "decode_config", "versions")
 BLOCK_ROWS = 8192
 
 
-@dataclass
-class StepRecord:
-    """One step, arrays trimmed to their true lengths (N+1 nodes, tau path entries).
+def _step_record_fields() -> list[tuple]:
+    """StepRecord's fields, from the schema: the step index, every step field in row order (the stored
+    time_trace_write_prev un-shifted into this step's time_trace_write), then the optional logits."""
+    found: list[tuple] = [("index", int)]
+    for f in STEP_FIELDS:
+        if f.name == "time_trace_write_prev":
+            found.append(("time_trace_write", float))
+        elif f.kind == "scalar":
+            found.append((f.name, int if np.dtype(f.dtype).kind == "i" else float))
+        else:
+            found.append((f.name, np.ndarray))
+    return found + [("logits", Optional[np.ndarray], field(default=None))]
 
-    Scalars are Python ints/floats; arrays as stored (int32 token ids / indices, float32 values).
-    draft_* [L, K]; tree_*, target_choice, target_margin [N+1]; target_topk_* [N+1, T];
-    accepted_nodes, committed_tokens, golden_tokens, logit_max_abs_diff, compact_* [tau];
-    logits [tau, V] float32 or None when the trace has no logits. time_trace_write: seconds spent
+
+def _as_dict(self) -> dict[str, Any]:
+    return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+StepRecord = make_dataclass("StepRecord", _step_record_fields(), namespace={"as_dict": _as_dict})
+StepRecord.__module__ = __name__
+StepRecord.__doc__ = """One step, arrays trimmed to their true lengths (N+1 nodes, tau path entries).
+
+    Fields: ``index``, the schema's (traces/schema.py STEP_FIELDS) in row order with ``time_trace_write``
+    for the stored time_trace_write_prev, then ``logits``. Scalars are Python ints/floats; arrays as stored
+    (int32 token ids / indices, float32 values). draft_* [L, K]; tree_*, target_choice, target_margin [N+1];
+    target_topk_* [N+1, T]; accepted_nodes, committed_tokens, golden_tokens, logit_max_abs_diff, compact_*
+    [tau]; logits [tau, V] float32 or None when the trace has no logits. time_trace_write: seconds spent
     writing this step (NaN while unknown: the last step of an unfinished trace).
     """
-
-    index: int
-    prefix_len: int
-    root_token: int
-    num_nodes: int
-    tau: int
-    bonus_token: int
-    cache_len_before: int
-    cache_len_verify: int
-    cache_len_after: int
-    cache_max_abs_diff: float
-    time_draft: float
-    time_build: float
-    time_verify: float
-    time_accept: float
-    time_compact: float
-    time_trace_write: float
-    draft_ids: np.ndarray
-    draft_logprobs: np.ndarray
-    tree_tokens: np.ndarray
-    tree_parents: np.ndarray
-    tree_depths: np.ndarray
-    tree_ranks: np.ndarray
-    tree_scores: np.ndarray
-    target_choice: np.ndarray
-    target_margin: np.ndarray
-    target_topk_ids: np.ndarray
-    target_topk_logits: np.ndarray
-    accepted_nodes: np.ndarray
-    committed_tokens: np.ndarray
-    golden_tokens: np.ndarray
-    logit_max_abs_diff: np.ndarray
-    compact_src: np.ndarray
-    compact_dst: np.ndarray
-    logits: Optional[np.ndarray] = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class TraceReader:

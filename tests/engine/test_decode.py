@@ -7,18 +7,17 @@ import pytest
 from kdspec.engine.decode import api
 from kdspec.engine.decode.config import DecodeConfig
 from kdspec.engine.decode.drafters import NoisyOracleDrafter, OracleDrafter
-from kdspec.engine.decode.loop import STAGES, ReferenceTreeOps, generate
+from kdspec.engine.decode.loop import ReferenceTreeOps, generate
+from kdspec.engine.decode.records import EXTRA_FIELDS
 from kdspec.engine.golden.model import ReferenceModel, decode
 from kdspec.engine.model.checkpoint import load_model
+from kdspec.traces.schema import DERIVED_FIELDS, STAGES, STEP_FIELDS
 
 PRESETS = ("tiny", "small")
 PROMPT = np.array([3, 14, 15, 92, 65, 35], dtype=np.int64)
 NEW = 24
-RECORD_FIELDS = (
-    "prefix_len root_token draft_ids draft_logprobs tree_tokens tree_parents tree_depths tree_ranks tree_scores "
-    "target_choice target_topk_ids target_topk_logits target_margin accepted_nodes bonus_token committed_tokens "
-    "golden_tokens logit_max_abs_diff cache_len_before cache_len_verify cache_len_after compact_src compact_dst "
-    "cache_max_abs_diff time_draft time_build time_verify time_accept time_compact").split()
+# A record's keys: the schema's fields minus those the writer derives (AR records have no draft fields).
+RECORD_FIELDS = tuple(f.name for f in STEP_FIELDS if f.name not in DERIVED_FIELDS)
 
 
 @pytest.fixture(scope="module", params=PRESETS)
@@ -363,6 +362,8 @@ def test_records_are_emitted_while_the_next_step_computes(setup, mode):
     at_once = []
     generate(model, PROMPT, replace(config, record_logits=True), drafter(), on_step=at_once.append)  # at once
     assert len(at_once) == len(late) == result.steps
+    keys = set(RECORD_FIELDS) - ({"draft_ids", "draft_logprobs"} if mode == "ar" else set())
+    assert all(set(r) == keys for r in late) and all(set(r) == keys | set(EXTRA_FIELDS) for r in at_once)
     for mine, theirs in zip(late, at_once):
         for key in mine:
             if not key.startswith("time_"):

@@ -379,13 +379,36 @@ def test_same_records_give_same_contents(tmp_path):
         np.testing.assert_array_equal(a.output_tokens, b.output_tokens)
 
 
-def test_docs_describe_every_field_and_attribute(tmp_path):
+def doc_table(heading: str) -> list[list[str]]:
+    """The rows of the table under ``heading`` in docs/trace-format.md, cells stripped (backticks too)."""
     text = DOCS.read_text()
-    path = _valid_trace(tmp_path, steps=1)
-    with h5py.File(path, "r") as f:
-        names = list(f.attrs) + list(f) + [fld.name for fld in STEP_FIELDS]
-    missing = [n for n in names if f"`{n}`" not in text]
-    assert not missing, f"docs/trace-format.md does not describe {missing}"
+    section = text[text.index(heading) + len(heading):]
+    section = section[:section.find("\n## ")] if "\n## " in section else section
+    return [[cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("| `")]
+
+
+def test_docs_table_of_the_steps_row_is_the_schema():
+    """Both ways: every schema field has its row (in row order) with its shape, dtype and unit, and every
+    row is a schema field."""
+    shapes = {"scalar": "scalar", "node": "[B+1]", "path": "[L+1]", "draft": "[L, K]", "topk": "[B+1, T]"}
+    documented = [tuple(row[:4]) for row in doc_table("## The `steps` row")]
+    schema = [(f.name, shapes[f.kind], str(np.dtype(f.dtype)), f.unit) for f in STEP_FIELDS]
+    assert documented == schema
+
+
+def test_docs_tables_of_attributes_and_datasets_are_the_files(tmp_path):
+    """Both ways: every root attribute and dataset of a trace (one with logits too) has its row, and every
+    row names one."""
+    with h5py.File(_valid_trace(tmp_path, steps=1), "r") as f:
+        attrs, datasets = set(f.attrs), set(f)
+    records, output, golden = make_run(2, 1, 4, 3, 2, logits=True)
+    write_run(tmp_path / "logits.h5", records, output, golden, block_size=4, budget=3, draft_topk=2,
+              save_logits=True)
+    with h5py.File(tmp_path / "logits.h5", "r") as f:
+        datasets |= set(f)
+    assert {row[0] for row in doc_table("## Root attributes")} == attrs
+    assert {row[0] for row in doc_table("## Datasets")} == datasets
 
 
 def test_traces_imports_neither_engine_nor_app():
