@@ -156,6 +156,16 @@ def test_compact_rows_hazard_explicit():
     assert rows[:, 0].tolist() == [0, 1, 3, 4, 5, 5]
 
 
+def test_compaction_moves_are_what_compact_applies():
+    src, dst = ddtree_ref.compaction_moves(5, [0, 2, 3])
+    assert src.dtype == dst.dtype == np.int32 and src.tolist() == [5, 7, 8] and dst.tolist() == [5, 6, 7]
+    rows = np.arange(10, dtype=np.float32)
+    ddtree_ref.move_rows(rows, src, dst)
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 8, 9]
+    with pytest.raises(ValueError, match="compaction source rows 5..12 outside the cache of 10 rows"):
+        ddtree_ref.move_rows(rows, *ddtree_ref.compaction_moves(5, [0, 7]))
+
+
 # --- sampling reference -------------------------------------------------------------------------
 
 def splitmix_python(z):
