@@ -138,19 +138,17 @@ def synthetic_metadata(*, block_size: int = 8, budget: int = 16, draft_topk: int
         backend="synthetic", device="none", prompt_tokens=[passage_token(p) for p in range(prompt_len)])
 
 
-def write_synthetic_trace(path: str | os.PathLike, num_steps: int, *, block_size: int = 8, budget: int = 16,
-                          draft_topk: int = 4, prompt_len: int = 16, seed: int = 0, anomalies: bool = True,
-                          finish: bool = True, force: bool = False, compression: str | None = "lzf") -> str:
+def write_synthetic_trace(path: str | os.PathLike, num_steps: int, *, finish: bool = True, force: bool = False,
+                          compression: str | None = "lzf", **shape) -> str:
     """Write an N-step synthetic DDTree trace through traces' writer; return the path.
 
+    shape: synthetic_records' keywords (block_size, budget, draft_topk, prompt_len, seed, anomalies).
     ``finish=False`` leaves the trace in the "recording" state (as a crashed or live run would).
     """
-    meta = synthetic_metadata(block_size=block_size, budget=budget, draft_topk=draft_topk,
-                              prompt_len=prompt_len, seed=seed)
+    meta = synthetic_metadata(**{k: v for k, v in shape.items() if k != "anomalies"})
     output, golden = [], []
     with TraceWriter(path, meta, compression=compression, force=force) as writer:
-        for record in synthetic_records(num_steps, block_size=block_size, budget=budget, draft_topk=draft_topk,
-                                        prompt_len=prompt_len, seed=seed, anomalies=anomalies):
+        for record in synthetic_records(num_steps, **shape):
             writer.write_step(record)
             if not output:  # the output starts with the prefill's token: the first step's root
                 output.append(int(record["root_token"]))
