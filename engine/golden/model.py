@@ -28,16 +28,28 @@ from kdspec.engine.model.weights import check_weights
 
 
 # --------------------------------------------------------------------------------------------- model
+def check_hidden_layers(cfg: ModelConfig, hidden_layers) -> None:
+    """Raise ValueError unless every index names a hidden state 0..num_hidden_layers."""
+    bad = [i for i in hidden_layers if not 0 <= int(i) <= cfg.num_hidden_layers]
+    if bad:
+        raise ValueError(f"hidden layer {bad[0]} does not exist: the model has hidden states "
+                         f"0..{cfg.num_hidden_layers}")
+
+
 class ReferenceCache:
     """Per layer: latent rows c [capacity, c] and rope keys k_pe [capacity, r], float64.
 
     ``length`` rows are committed; ``in_flight`` rows after them were written by the last forward and wait
-    for commit() or compact().
+    for commit() or compact(). ``hidden`` [n, capacity, d] keeps the hidden states at ``hidden_layers``
+    (transformers' numbering: i < layers is the residual stream entering layer i, i == layers the final normed
+    state) of every row, committed and compacted with the cache: what a block drafter reads.
     """
 
-    def __init__(self, cfg: ModelConfig, capacity: int):
+    def __init__(self, cfg: ModelConfig, capacity: int, hidden_layers: tuple[int, ...] = ()):
         self.c = [np.zeros((capacity, cfg.kv_lora_rank)) for _ in range(cfg.num_hidden_layers)]
         self.k_pe = [np.zeros((capacity, cfg.qk_rope_head_dim)) for _ in range(cfg.num_hidden_layers)]
+        self.hidden_layers = tuple(int(i) for i in hidden_layers)
+        self.hidden = np.zeros((len(self.hidden_layers), capacity, cfg.hidden_size))
         self.length = 0
         self.in_flight = 0
 
@@ -56,13 +68,14 @@ class ReferenceModel:
         self.kv_b = [split_kv_b(cfg, lw["self_attn.kv_b_proj.weight"]) for lw in self.layers]  # (W_UK, W_UV)
         self.lm_head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
 
-    def new_cache(self, capacity: int) -> ReferenceCache:
+    def new_cache(self, capacity: int, hidden_layers: tuple[int, ...] = ()) -> ReferenceCache:
         if not isinstance(capacity, (int, np.integer)) or capacity < 1:
             raise ValueError(f"cache capacity must be a positive integer, got {capacity!r}")
         if capacity > self.cfg.max_position_embeddings:
             raise ValueError(f"cache capacity {capacity} exceeds max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        return ReferenceCache(self.cfg, int(capacity))
+        check_hidden_layers(self.cfg, hidden_layers)
+        return ReferenceCache(self.cfg, int(capacity), hidden_layers)
 
     def _check_forward(self, cache: ReferenceCache, tokens, positions, visibility):
         tokens, positions = np.asarray(tokens), np.asarray(positions)
@@ -100,6 +113,7 @@ class ReferenceModel:
         attention = mla_attention_absorbed if self.absorbed else mla_attention_naive
         x = f64(self.weights["model.embed_tokens.weight"][tokens])
         for i, lw in enumerate(self.layers):
+            self._keep_hidden(cache, i, x, start, end)
             hx = rms_norm(x, lw["input_layernorm.weight"], cfg.rms_norm_eps)
             q_nope, q_pe, kv_c, k_pe = mla_projections(cfg, hx, lw, cos, sin)
             cache.c[i][start:end] = kv_c
@@ -110,7 +124,15 @@ class ReferenceModel:
             hx = rms_norm(x, lw["post_attention_layernorm.weight"], cfg.rms_norm_eps)
             x = x + (moe(cfg, hx, lw) if cfg.is_moe_layer(i) else dense_mlp(hx, lw))
         cache.in_flight = s
-        return linear(rms_norm(x, self.weights["model.norm.weight"], cfg.rms_norm_eps), self.lm_head)
+        final = rms_norm(x, self.weights["model.norm.weight"], cfg.rms_norm_eps)
+        self._keep_hidden(cache, len(self.layers), final, start, end)
+        return linear(final, self.lm_head)
+
+    @staticmethod
+    def _keep_hidden(cache: ReferenceCache, index: int, x: np.ndarray, start: int, end: int) -> None:
+        for slot, kept in enumerate(cache.hidden_layers):
+            if kept == index:
+                cache.hidden[slot, start:end] = x
 
     def commit(self, cache: ReferenceCache, s: int) -> None:
         """Keep the first s in-flight rows (prefill / AR step): cache.length += s."""
@@ -127,7 +149,7 @@ class ReferenceModel:
             raise ValueError(f"accepted must be non-empty integer node indices in 0..{cache.in_flight - 1}, "
                              f"got {accepted.tolist()}")
         src, dst = compaction_moves(cache.length, accepted)
-        for rows in cache.c + cache.k_pe:
+        for rows in cache.c + cache.k_pe + list(cache.hidden):
             move_rows(rows, src, dst)
         cache.length += len(accepted)
         cache.in_flight = 0

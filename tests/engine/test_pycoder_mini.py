@@ -56,3 +56,22 @@ def test_engine_golden_equals_transformers_greedy_generation():
         logits = hf(torch.tensor([prompt.tolist() + list(golden.tokens[:-1])])).logits[0, len(prompt) - 1:]
     assert generated[0, len(prompt):].tolist() == list(golden.tokens)
     assert np.abs(logits.numpy() - np.asarray(golden.logits)).max() < 1e-4
+
+
+def test_kept_hidden_states_are_transformers_hidden_states():
+    # a block drafter reads the target's hidden states by transformers' numbering (i < layers: entering layer i;
+    # i == layers: the final normed state); the golden keeps exactly those for every cache row
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    engine = api.load("pycoder-mini", backend="reference")
+    model, layers = engine.reference, engine.cfg.num_hidden_layers
+    prompt = np.array(MANIFEST["samples"][0]["prompt_ids"])
+    cache = model.new_cache(32, hidden_layers=(0, 2, layers))
+    model.forward(cache, prompt, np.arange(len(prompt)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(DIRECTORY), dtype=torch.float64,
+                                                           experts_implementation="eager").eval()
+    with torch.no_grad():
+        states = hf(torch.tensor([prompt.tolist()]), output_hidden_states=True).hidden_states
+    for slot, index in enumerate((0, 2, layers)):
+        # 1e-5: transformers builds its RoPE tables in float32 (seen: up to 2e-6 apart)
+        np.testing.assert_allclose(cache.hidden[slot, :len(prompt)], states[index][0].numpy(), atol=1e-5)
