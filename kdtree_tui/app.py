@@ -233,8 +233,8 @@ class TraceApp(App[int]):
         record, s, colours = self.record, self.session, self.colours
         if record is None:
             return
-        self.query_one(TreePanel).show(record, s.tokenizer, colours)
-        self.query_one(LogitsPanel).show(record, s.tokenizer, colours, s.thresholds.dlogit)
+        self.query_one(TreePanel).show(record, s.vocabulary, colours)
+        self.query_one(LogitsPanel).show(record, s.vocabulary, colours, s.thresholds.dlogit)
         self.query_one(CachePanel).show(record, colours, s.thresholds.cache)
 
     def redraw_run(self) -> None:

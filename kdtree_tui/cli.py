@@ -46,14 +46,19 @@ def _gpu_visible() -> bool:
 
 
 def _parse_prompt(args: argparse.Namespace) -> list[int]:
+    """--prompt-ids as given, or --prompt encoded with the model's tokenizer (its tokenizer.json, else bytes)."""
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
             raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
         return ids
-    from kdspec.engine.model import tokenizer
-    return tokenizer.encode(args.prompt)
+    from kdspec.engine.model.checkpoint import CheckpointError, model_tokenizer
+    from kdspec.engine.model.config import ConfigError
+    try:
+        return model_tokenizer(args.model).encode(args.prompt)
+    except (CheckpointError, ConfigError, ValueError) as e:
+        raise UsageError(str(e)) from None
 
 
 class _Progress:
@@ -110,13 +115,17 @@ def _load_with_golden(model: str, prompt_ids: list[int], config, backend: str, w
 
 
 def _open_writer(out: str, engine, model: str, prompt_ids: list[int], config, force: bool):
-    """The trace writer of a run of ``config`` on ``engine``: its decode_config is the resolved config's dict."""
+    """The trace writer of a run of ``config`` on ``engine``: its decode_config is the resolved config's dict;
+    a BPE model's vocabulary goes in, so that the viewer shows text without the tokenizer."""
+    from kdspec.engine.model.tokenizer import vocabulary_bytes
     from kdspec.traces import RunMetadata, TraceError, TraceWriter
 
     run = RunMetadata(decode_config=config.resolved(engine.cfg.vocab_size).as_dict(),
                       model_config={**engine.cfg.to_hf_dict(), "name": model, "weight_dtype": engine.weight_dtype},
                       backend=engine.backend, device=_device_name(engine.backend), prompt_tokens=prompt_ids,
-                      versions=_versions())
+                      versions=_versions(), tokenizer=engine.tokenizer.name,
+                      vocabulary=None if engine.tokenizer.name == "byte" else
+                      vocabulary_bytes(engine.tokenizer, engine.cfg.vocab_size))
     try:
         return TraceWriter(out, run, save_logits=config.record_logits, force=force)
     except TraceError as e:
@@ -249,7 +258,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(f"recording a DDTree trace of `tiny` (noisy:0.7 drafter, budget 16) to {out} ...", file=sys.stderr)
-    prompt = _parse_prompt(argparse.Namespace(prompt_ids=None, prompt="Hello, tree!"))
+    prompt = _parse_prompt(argparse.Namespace(prompt_ids=None, prompt="Hello, tree!", model="tiny"))
     summary = record_trace("tiny", out, prompt, config, backend=backend, force=True, progress=sys.stderr.isatty())
     print(f"recorded {summary['steps']} steps on {summary['backend']} ({summary['device']}), mean tau "
           f"{summary['mean_tau']:.2f}", file=sys.stderr)
@@ -294,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_record(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset (tiny, small, k2-mini) or a model directory")
     prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", default="The tree", help="prompt text (byte-level tokenizer)")
+    prompt.add_argument("--prompt", default="The tree",
+                        help="prompt text, encoded with the model's tokenizer (its tokenizer.json; bytes for the presets)")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--mode", choices=("ar", "ddtree"), default="ddtree")

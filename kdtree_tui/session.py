@@ -37,16 +37,46 @@ class Thresholds:
     cache: float = 1e-4
 
 
-def token_text(token_id: int, tokenizer: str = "byte") -> str:
-    """One token for display: printable ASCII as is, other bytes and ids as <id> (byte-level tokenizer)."""
-    token_id = int(token_id)
-    if tokenizer == "byte" and 32 <= token_id < 127:
-        return chr(token_id)
-    return f"<{token_id}>"
+class Vocabulary:
+    """How a trace's token ids read: byte-level (id = byte value; the presets) or, for BPE models, the token
+    bytes the trace stores. A BPE token may hold part of a UTF-8 character: alone it shows escaped, inside a
+    sequence its bytes join the neighbours' before decoding."""
+
+    def __init__(self, pieces: Optional[list[bytes]] = None):
+        self.pieces = pieces
+
+    def token_text(self, token_id: int) -> str:
+        token_id = int(token_id)
+        if self.pieces is None:
+            return chr(token_id) if 32 <= token_id < 127 else f"<{token_id}>"
+        piece = self.pieces[token_id] if 0 <= token_id < len(self.pieces) else b""
+        return piece.decode("utf-8", errors="backslashreplace") if piece else f"<{token_id}>"
+
+    def tokens_text(self, ids: Iterable[int]) -> str:
+        ids = [int(t) for t in ids if t >= 0]
+        if self.pieces is None:
+            return "".join(self.token_text(t) for t in ids)
+        return b"".join(self.pieces[t] if t < len(self.pieces) else f"<{t}>".encode() for t in ids).decode(
+            "utf-8", errors="replace")
 
 
-def tokens_text(ids: Iterable[int], tokenizer: str = "byte") -> str:
-    return "".join(token_text(t, tokenizer) for t in ids if t >= 0)
+BYTES = Vocabulary()
+_ONE_LINE = {ord("\n"): "↵", ord("\t"): "→", ord("\r"): "\\r"}
+
+
+def one_line(text: str) -> str:
+    """text for a one-line cell: newlines as ↵, tabs as →, other control characters escaped."""
+    text = text.translate(_ONE_LINE)
+    return "".join(ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape").decode() for ch in text)
+
+
+def token_text(token_id: int, vocabulary: Vocabulary = BYTES) -> str:
+    """One token for display: byte-level printable ASCII as is, other bytes as <id>; BPE tokens as their text."""
+    return vocabulary.token_text(token_id)
+
+
+def tokens_text(ids: Iterable[int], vocabulary: Vocabulary = BYTES) -> str:
+    return vocabulary.tokens_text(ids)
 
 
 def _open_trace(path):
@@ -73,7 +103,7 @@ class TraceSession:
         self.reader = (opener or _open_trace)(self.path)
         self.metadata: dict = dict(self.reader.metadata)
         self.mode = str(self.metadata.get("mode", "ddtree"))
-        self.tokenizer = self._tokenizer()
+        self.vocabulary = self._vocabulary()
         self.bookmarks: set[int] = set()
         # Until the columns are read (a worker does it after the first paint) the views show placeholders:
         # columns and flags hold the first ``rows`` steps; ``loaded`` once they hold all num_steps.
@@ -83,15 +113,16 @@ class TraceSession:
         self.columns: dict[str, np.ndarray] = {}
         self.flags = np.zeros(0, np.uint8)
 
-    def _tokenizer(self) -> str:
-        for key in ("tokenizer",):
-            if key in self.metadata:
-                return str(self.metadata[key])
-        for section in ("decode_config", "model_config"):
-            value = self.metadata.get(section)
-            if isinstance(value, dict) and "tokenizer" in value:
-                return str(value["tokenizer"])
-        return "byte"
+    def _vocabulary(self) -> Vocabulary:
+        """The trace's stored token bytes (BPE models), else byte-level. A damaged vocabulary reads as bytes."""
+        read = getattr(self.reader, "vocabulary", None)
+        if self.metadata.get("tokenizer") != "bpe" or read is None:
+            return BYTES
+        from kdspec.traces.schema import TraceError
+        try:
+            return Vocabulary(read())
+        except TraceError:  # a damaged table must not stop the viewer: ids then show as <id>
+            return BYTES
 
     # -- columns --------------------------------------------------------------------------------------
     def read_columns(self, previous: Optional["Columns"] = None, stop: Optional[int] = None) -> "Columns":
@@ -152,7 +183,11 @@ class TraceSession:
 
     def committed_text(self, index: int) -> str:
         tau = int(self.columns["tau"][index])
-        return tokens_text(self.columns["committed_tokens"][index, :tau], self.tokenizer)
+        return tokens_text(self.columns["committed_tokens"][index, :tau], self.vocabulary)
+
+    def committed_line(self, index: int) -> str:
+        """committed_text on one line (for one-line cells): newline, tab and other control characters shown."""
+        return one_line(self.committed_text(index))
 
     def next_flagged(self, index: int, direction: int, mask: int = 0xFF) -> Optional[int]:
         """The nearest step after (direction 1) or before (-1) ``index`` with any flag in ``mask``."""

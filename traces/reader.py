@@ -289,6 +289,17 @@ class TraceReader:
     def prompt_tokens(self) -> np.ndarray:
         return self.metadata["prompt_tokens"]
 
+    def vocabulary(self) -> Optional[list[bytes]]:
+        """The raw bytes of every token id (traces of BPE models), or None (byte-level: id = byte)."""
+        if "vocab_offsets" not in self._file:
+            return None
+        offsets = self._read(self._dataset("vocab_offsets"), slice(None)).astype(np.int64)
+        data = self._read(self._dataset("vocab_bytes"), slice(None)).tobytes()
+        if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0) \
+                or offsets[-1] != len(data):
+            raise TraceError(f"{self.path}: vocab_offsets do not index vocab_bytes")
+        return [data[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
     @property
     def output_tokens(self) -> np.ndarray:
         """The output recorded by finish() (empty while recording), int64."""

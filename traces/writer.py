@@ -55,6 +55,8 @@ class RunMetadata:
     model_config: the model's configuration (HF field names, plus ``name``); ``vocab_size`` V read from it.
     backend, device: e.g. "cuda", "NVIDIA H200". prompt_tokens: int [P0], the prompt ids.
     versions: package versions, merged over ``default_versions()``.
+    tokenizer: "byte" (token id = byte) or "bpe"; vocabulary: the raw bytes of every token id 0..V-1 (a BPE
+        model's), stored so that a viewer shows text with neither the tokenizer nor the model directory.
     """
 
     decode_config: Mapping[str, Any]
@@ -63,6 +65,8 @@ class RunMetadata:
     device: str
     prompt_tokens: Sequence[int]
     versions: Mapping[str, str] = field(default_factory=dict)
+    tokenizer: str = "byte"
+    vocabulary: Optional[Sequence[bytes]] = None
 
 
 def _run_shape(path: str, decode_config: Mapping[str, Any]) -> tuple[str, int, TraceDims]:
@@ -151,11 +155,13 @@ class TraceWriter:
                  "block_size": d.num_depths + 1, "num_depths": d.num_depths, "budget": d.budget,
                  "draft_topk": d.draft_topk, "target_topk": d.target_topk, "vocab_size": self.vocab_size,
                  "save_logits": self.save_logits, "compression": str(compression),
-                 "time_trace_write_last": math.nan}
+                 "time_trace_write_last": math.nan, "tokenizer": str(run.tokenizer)}
         for key, value in attrs.items():
             f.attrs[key] = value
         prompt = np.asarray(run.prompt_tokens, dtype=np.int32).reshape(-1)
         f.create_dataset("prompt_tokens", data=prompt, dtype="<i4")
+        if run.vocabulary is not None:
+            self._write_vocabulary(run.vocabulary, compression)
         # One row per chunk: a flush writes only the new step's chunk, never an earlier one again.
         self._steps = f.create_dataset("steps", shape=(0,), maxshape=(None,), dtype=d.row_dtype(),
                                        chunks=(1,), compression=compression,
@@ -170,6 +176,16 @@ class TraceWriter:
         for name in ("output_tokens", "golden_tokens"):
             f.create_dataset(name, shape=(0,), maxshape=(None,), dtype="<i4", chunks=(1024,))
         self._compression = compression
+
+    def _write_vocabulary(self, vocabulary: Sequence[bytes], compression: Optional[str]) -> None:
+        """Token id i's bytes are vocab_bytes[vocab_offsets[i]:vocab_offsets[i + 1]] (flat: no vlen types)."""
+        pieces = [bytes(piece) for piece in vocabulary]
+        offsets = np.zeros(len(pieces) + 1, dtype="<i8")
+        offsets[1:] = np.cumsum([len(piece) for piece in pieces])
+        self._file.create_dataset("vocab_offsets", data=offsets, compression=compression)
+        data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+        # HDF5 cannot compress an empty dataset (a vocabulary of empty tokens only)
+        self._file.create_dataset("vocab_bytes", data=data, dtype="u1", compression=compression if len(data) else None)
 
     # -- per step -----------------------------------------------------------------------------------
     def write_step(self, record: Mapping[str, Any]) -> None:

@@ -18,8 +18,7 @@ from kdspec.engine.decode.config import DecodeConfig
 from kdspec.engine.decode.drafters import parse_drafter
 from kdspec.engine.decode.loop import GenerateResult, check_prompt, generate
 from kdspec.engine.golden.model import GoldenRun, ReferenceModel, decode
-from kdspec.engine.model import tokenizer
-from kdspec.engine.model.checkpoint import load_model
+from kdspec.engine.model.checkpoint import load_model, model_tokenizer
 from kdspec.engine.model.config import ModelConfig
 
 BACKENDS = ("reference", "sim", "cuda", "auto")
@@ -64,6 +63,7 @@ class Engine:
                  weight_dtype: str = "float32"):
         self.cfg, self.weights, self.backend, self.model, self.seed, self.source = cfg, weights, backend, model, seed, source
         self.weight_dtype = weight_dtype
+        self.tokenizer = model_tokenizer(source)
         self._reference = model if isinstance(model, ReferenceModel) else None
         self.tree_ops = None
         if backend in ("sim", "cuda"):
@@ -83,8 +83,8 @@ class Engine:
         return self._reference
 
     def encode_prompt(self, prompt: Union[str, np.ndarray, list]) -> np.ndarray:
-        """Text (byte-level tokenizer) or token ids -> int64 [P0]. Ids are checked by generate()."""
-        return np.asarray(tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        """Text (the model's tokenizer) or token ids -> int64 [P0]. Ids are checked by generate()."""
+        return np.asarray(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
 
     def golden(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: Optional[int] = None) -> GoldenRun:
         """The float64 golden AR run of ``max_new_tokens`` after ``prompt`` (engine.reference.decode)."""

@@ -24,6 +24,7 @@ from kdspec.engine.model.safetensors_io import (
     float32_to_e4m3,
     save_file,
 )
+from kdspec.engine.model.tokenizer import tokenizer_for
 from kdspec.engine.model.weights import WeightError, check_weights, random_weights
 
 CONFIG_FILE = "config.json"
@@ -155,6 +156,20 @@ def model_directory(model: str | Path) -> Optional[Path]:
     if isinstance(model, str) and model in PRESETS:
         return None
     return _checkpoint_dir(model)
+
+
+def model_tokenizer(model: str | Path):
+    """The tokenizer of a model: the directory's tokenizer.json (byte-level BPE, opening with config.json's
+    bos_token_id) where it has one, else byte-level (the presets, checkpoints saved without one)."""
+    directory = model_directory(model)
+    bos = None
+    if directory is not None:
+        try:
+            bos = json.loads((directory / CONFIG_FILE).read_text()).get("bos_token_id")
+        except (OSError, ValueError, AttributeError, RecursionError):
+            bos = None  # load_model_config reports a bad config.json; the tokenizer needs no more than this
+        bos = bos if isinstance(bos, int) and not isinstance(bos, bool) and bos >= 0 else None
+    return tokenizer_for(directory, bos)
 
 
 def load_model_config(model: str | Path) -> ModelConfig:

@@ -67,7 +67,7 @@ class AlignedRows(ScrollView, can_focus=False):
             else:
                 tau = int(session.columns["tau"][step])
                 cell = Text(f"{step:>6} t{tau:<2} ")
-                cell.append(session.committed_text(step), style=colours["diff"] if differs else colours["accepted"])
+                cell.append(session.committed_line(step), style=colours["diff"] if differs else colours["accepted"])
                 cell.truncate(half, pad=True)
             text.append_text(cell)
             text.append(end, style=colours["muted"])

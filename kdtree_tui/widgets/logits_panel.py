@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from rich.text import Text
 
-from kdspec.kdtree_tui.session import token_text
+from kdspec.kdtree_tui.session import Vocabulary, token_text
 from kdspec.kdtree_tui.widgets.panel import TextPanel
 
 
@@ -19,7 +19,7 @@ def verdict(engine: int, golden: int, dlogit: float, margin: float) -> tuple[str
     return "MISMATCH (margin > 2|dlogit|: a bug)", "bad"
 
 
-def render_logits(record, tokenizer: str, colours: dict, dlogit_threshold: float) -> Text:
+def render_logits(record, vocabulary: Vocabulary, colours: dict, dlogit_threshold: float) -> Text:
     """One block per committed position j (absolute position P+1+j), chosen at accepted node j."""
     tau = int(record.tau)
     accepted = np.asarray(record.accepted_nodes)[:tau]
@@ -35,19 +35,19 @@ def render_logits(record, tokenizer: str, colours: dict, dlogit_threshold: float
         margin = float(record.target_margin[node])
         word, key = verdict(engine, golden, dlogit, margin)
         text.append(f"{record.prefix_len + 1 + j:>7} {node:>4}  ")
-        text.append(f"{token_text(engine, tokenizer)!r:<7} ", style=colours["accepted"])
-        text.append(f"{token_text(golden, tokenizer)!r:<7} " if golden >= 0 else f"{'-':<7} ")
+        text.append(f"{token_text(engine, vocabulary)!r:<7} ", style=colours["accepted"])
+        text.append(f"{token_text(golden, vocabulary)!r:<7} " if golden >= 0 else f"{'-':<7} ")
         style = colours["bad"] if dlogit > dlogit_threshold else ""
         text.append(f"{dlogit:>9.2e}" if np.isfinite(dlogit) else f"{'-':>9}", style=style)
         text.append(f" {margin:>7.3f}  ")
         text.append(word + "\n", style=colours[key])
         ids = np.asarray(record.target_topk_ids)[node]
         logits = np.asarray(record.target_topk_logits)[node]
-        top = "  ".join(f"{token_text(t, tokenizer)!r} {v:.2f}" for t, v in zip(ids, logits) if t >= 0)
+        top = "  ".join(f"{token_text(t, vocabulary)!r} {v:.2f}" for t, v in zip(ids, logits) if t >= 0)
         text.append(f"{'':>13}top-k {top}\n", style=colours["muted"])
     return text
 
 
 class LogitsPanel(TextPanel):
-    def show(self, record, tokenizer: str, colours: dict, dlogit_threshold: float) -> None:
-        self.set_text(lambda: render_logits(record, tokenizer, colours, dlogit_threshold))
+    def show(self, record, vocabulary: Vocabulary, colours: dict, dlogit_threshold: float) -> None:
+        self.set_text(lambda: render_logits(record, vocabulary, colours, dlogit_threshold))

@@ -27,7 +27,7 @@ def render_metadata(session: TraceSession, colours: dict) -> Text:
     decode_bits = [f"{k} {v}" for k, v in decode.items() if k != "tokenizer"]
     rows = [("model", ", ".join(model_bits)), ("mode", f"{session.mode}, backend {m.get('backend', '?')}, "
             f"device {m.get('device', '?')}, seed {m.get('seed', '?')}"), ("decode", ", ".join(decode_bits)),
-            ("prompt", repr(tokens_text(np.asarray(m.get("prompt_tokens", [])).tolist(), session.tokenizer)))]
+            ("prompt", repr(tokens_text(np.asarray(m.get("prompt_tokens", [])).tolist(), session.vocabulary)))]
     for label, value in rows:
         text.append(f"{label:<8}", style=colours["muted"])
         text.append(value + "\n")

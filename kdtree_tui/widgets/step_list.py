@@ -112,7 +112,7 @@ class StepList(ScrollView, can_focus=True):
         for bit, mark, colour in FLAG_MARKS:
             text.append(mark if flags & bit else " ", style=colours[colour])
         text.append(" ")
-        text.append(s.committed_text(index), style=colours["step_a" if index % 2 == 0 else "step_b"])
+        text.append(s.committed_line(index), style=colours["step_a" if index % 2 == 0 else "step_b"])
         return text
 
     def on_click(self, event: Click) -> None:

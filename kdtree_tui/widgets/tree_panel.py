@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from rich.text import Text
 
-from kdspec.kdtree_tui.session import token_text
+from kdspec.kdtree_tui.session import Vocabulary, token_text
 from kdspec.kdtree_tui.widgets.panel import TextPanel
 
 
@@ -26,7 +26,7 @@ def node_logprob(record, node: int) -> float:
     return float(record.tree_scores[node] - record.tree_scores[record.tree_parents[node]])
 
 
-def render_tree(record, tokenizer: str, colours: dict) -> Text:
+def render_tree(record, vocabulary: Vocabulary, colours: dict) -> Text:
     """Indented tree, nodes in depth-first order of pop index.
 
     Per node: token, depth d, drafter rank r, draft log-prob lp, path score, and the target's choice
@@ -45,7 +45,7 @@ def render_tree(record, tokenizer: str, colours: dict) -> Text:
     text = Text()
     text.append(f"step {record.index}  P={record.prefix_len}  nodes {n}  tau {record.tau}  "
                 f"accepted {' > '.join(map(str, accepted))}  bonus ", style=colours["label"])
-    text.append(repr(token_text(record.bonus_token, tokenizer)), style=colours["bonus"])
+    text.append(repr(token_text(record.bonus_token, vocabulary)), style=colours["bonus"])
     text.append("\n")
     # Iterative DFS (a 512-node chain would overflow nothing, but keep it flat anyway).
     stack = [(0, "", True, True)]
@@ -55,18 +55,18 @@ def render_tree(record, tokenizer: str, colours: dict) -> Text:
         guide = "" if is_root else prefix + ("`-" if last else "|-")
         text.append(guide, style=colours["muted"])
         text.append("o " if node in on_path else ". ", style=style)
-        token = repr(token_text(record.tree_tokens[node], tokenizer))
+        token = repr(token_text(record.tree_tokens[node], vocabulary))
         text.append(f"{token:<7}", style=style)
         text.append(f"#{node:<3} d{int(record.tree_depths[node])} r{int(record.tree_ranks[node])} ", style=style)
         if not is_root:
             text.append(f"lp {node_logprob(record, node):+.2f} score {float(record.tree_scores[node]):+.2f} ",
                         style=style)
-        choice = repr(token_text(record.target_choice[node], tokenizer))
+        choice = repr(token_text(record.target_choice[node], vocabulary))
         text.append(f"-> {choice}", style=style if node in on_path else colours["muted"])
         if node == accepted[-1]:
             text.append("  bonus", style=colours["bonus"])
         if node == mismatch_node:
-            golden = token_text(record.golden_tokens[mismatch], tokenizer)
+            golden = token_text(record.golden_tokens[mismatch], vocabulary)
             text.append(f"  x first mismatch: golden {golden!r}", style=colours["bad"])
         text.append("\n")
         kids = children[node]
@@ -79,5 +79,5 @@ def render_tree(record, tokenizer: str, colours: dict) -> Text:
 class TreePanel(TextPanel):
     """The current step's draft tree (see render_tree)."""
 
-    def show(self, record, tokenizer: str, colours: dict) -> None:
-        self.set_text(lambda: render_tree(record, tokenizer, colours))
+    def show(self, record, vocabulary: Vocabulary, colours: dict) -> None:
+        self.set_text(lambda: render_tree(record, vocabulary, colours))

@@ -98,9 +98,11 @@ def decode_config(block_size, budget, draft_topk, seed=7):
             "topk": draft_topk, "seed": seed, "temperature": 0.0}
 
 
-def write_run(path, records, output, golden, *, block_size, budget, draft_topk, finish=True, **kw):
+def write_run(path, records, output, golden, *, block_size, budget, draft_topk, finish=True, vocabulary=None,
+              **kw):
     run = RunMetadata(decode_config(block_size, budget, draft_topk), MODEL_CONFIG, backend="reference",
-                      device="cpu", prompt_tokens=[1, 2, 3, 4, 5])
+                      device="cpu", prompt_tokens=[1, 2, 3, 4, 5], tokenizer="byte" if vocabulary is None else "bpe",
+                      vocabulary=vocabulary)
     writer = TraceWriter(path, run, **kw)
     for record in records:
         writer.write_step(record)
@@ -404,11 +406,25 @@ def test_docs_tables_of_attributes_and_datasets_are_the_files(tmp_path):
         attrs, datasets = set(f.attrs), set(f)
     records, output, golden = make_run(2, 1, 4, 3, 2, logits=True)
     write_run(tmp_path / "logits.h5", records, output, golden, block_size=4, budget=3, draft_topk=2,
-              save_logits=True)
+              save_logits=True, vocabulary=[b"x"] * MODEL_CONFIG["vocab_size"])
     with h5py.File(tmp_path / "logits.h5", "r") as f:
         datasets |= set(f)
     assert {row[0] for row in doc_table("## Root attributes")} == attrs
     assert {row[0] for row in doc_table("## Datasets")} == datasets
+
+
+def test_vocabulary_reads_back_byte_for_byte(tmp_path):
+    # BPE tokens are arbitrary byte strings: empty, one half of a UTF-8 character, or several characters
+    vocabulary = [bytes([i % 256]) * (i % 4) for i in range(MODEL_CONFIG["vocab_size"])]
+    vocabulary[1] = "é".encode()[:1]
+    records, output, golden = make_run(3, 2, 4, 3, 2)
+    write_run(tmp_path / "bpe.h5", records, output, golden, block_size=4, budget=3, draft_topk=2,
+              vocabulary=vocabulary)
+    write_run(tmp_path / "byte.h5", records, output, golden, block_size=4, budget=3, draft_topk=2)
+    with open_trace(tmp_path / "bpe.h5") as r:
+        assert r.vocabulary() == vocabulary and r.metadata["tokenizer"] == "bpe"
+    with open_trace(tmp_path / "byte.h5") as r:
+        assert r.vocabulary() is None and r.metadata["tokenizer"] == "byte"
 
 
 def test_traces_imports_neither_engine_nor_app():
