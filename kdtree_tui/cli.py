@@ -346,11 +346,31 @@ def _add_demo_and_bench(sub) -> None:
     p.add_argument("--out", help="where to write the trace (default: a temporary directory)")
     p.add_argument("--no-tui", action="store_true", help="record only; print the trace path")
     p.set_defaults(func=_cmd_demo)
+    _add_train(sub.add_parser("train", help="train the shipped models (needs the `train` extra: torch, transformers)"))
     p = sub.add_parser("bench", help="benchmarks with their peers, side by side in one run (exit 1: a target missed)")
     p.add_argument("suites", nargs="*", metavar="SUITE", help="tree, attention, moe, e2e, trace, tui (default all)")
     p.add_argument("--json", action="store_true", help="rows as JSON")
     p.add_argument("--quick", action="store_true", help="toy sizes: checks the suites run (numbers mean nothing)")
     p.set_defaults(func=_cmd_bench)
+
+
+def _add_train(parser: argparse.ArgumentParser) -> None:
+    from kdspec.engine.train import target  # light: torch is imported only when a run starts
+
+    what = parser.add_subparsers(dest="what", metavar="WHAT", required=True)
+    p = what.add_parser("target", help="train the target model on the Python standard library (pycoder-mini's "
+                                       "recipe) and write an HF model directory")
+    target.add_arguments(p)
+    p.set_defaults(func=_cmd_train_target)
+
+
+def _cmd_train_target(args: argparse.Namespace) -> int:
+    from kdspec.engine.train import target
+    from kdspec.engine.train.errors import TrainError
+    try:
+        return target.run(args)
+    except TrainError as e:
+        raise UsageError(" ".join(str(e).split())) from None
 
 
 def main(argv: list[str] | None = None) -> int:
