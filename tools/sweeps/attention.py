@@ -9,8 +9,8 @@ Kimi K2 dims: h=64 heads, c=512 latent, r=64 rope; a random tree mask over the s
    64, 256, default split counts plus 3 forced splits for s <= 8; outputs NaN-poisoned, all rows checked
    finite; cache rows past the in-flight ones are NaN (must never be read).
 2. timing (CUDA events, median of 10 after warmup) at the bench's points; TFLOP/s counted as
-   kdtree_tui.benchmarks.attention.attention_flops, next to torch (fp32 matmul + masked softmax + matmul,
-   TF32 off) and the fp32 FMA ceiling (kdtree_tui.benchmarks.common.ceilings); for s <= 8 also half / twice
+   kdspec.engine.bench.attention.attention_flops, next to torch (fp32 matmul + masked softmax + matmul,
+   TF32 off) and the fp32 FMA ceiling (kdspec.engine.bench.common.ceilings); for s <= 8 also half / twice
    the default split count and 132 splits (is default_num_splits right?).
 3. registers / local memory (spills) / shared memory per config; a table last, then the best config per point
    and for the two defaults: make them DEFAULT_CONFIG (s >= FEW_TOKENS) and FEW_TOKENS_CONFIG (s < FEW_TOKENS)

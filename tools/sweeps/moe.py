@@ -10,7 +10,7 @@ Kimi K2 sizes: E=384 experts, top-8, d=7168, f=2048, bf16 weights (bits in int16
    reference (torch float64 on the GPU, numpy under --sim) on up to 16 tokens per s, rel tol 1e-4 of max |ref|;
    outputs NaN-poisoned first and checked fully written.
 2. timing: CUDA-event medians of 12 calls after 3 warmups at s = 1, 8, 64, 256 tokens; weight GB/s = distinct
-   experts x 3 d f x 2 bytes / time, next to the copy-bandwidth ceiling (kdtree_tui.benchmarks.common.ceilings)
+   experts x 3 d f x 2 bytes / time, next to the copy-bandwidth ceiling (kdspec.engine.bench.common.ceilings)
    and a torch read-only roofline (bf16 sum over the experts of s=64); a breakdown of the default config
    through the public launchers (plan_pairs, grouped_swiglu = gate_up + down, the rest = combine + launcher).
 3. registers / local memory per config (gate_up / down); a table last, then the best config per s and the

@@ -3,7 +3,7 @@
     python3 -m tools.sweeps.tree          (H200: ~1-2 min)
     python3 -m tools.sweeps.tree --sim    (CUDA simulator, toy sizes: a few seconds; the times mean nothing)
 
-1. correctness: b=64 requests, L=15 depths, K=B in 16, 64, 256, 1024 (kdtree_tui.benchmarks.tree.random_drafts,
+1. correctness: b=64 requests, L=15 depths, K=B in 16, 64, 256, 1024 (kdspec.engine.bench.tree.random_drafts,
    as `kdtree bench tree`), and the same shapes with log-probs rounded to a few values (exact score ties
    everywhere); every output of every variant (padding and the visibility bitmask included) compared
    bit-exact with engine.ddtree_ref.build_tree; outputs poisoned before each check.
