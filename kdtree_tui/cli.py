@@ -16,6 +16,8 @@ import time
 
 # --save-logits stores [steps, L+1, V] floats: only for small vocabularies.
 MAX_SAVED_VOCAB = 4096
+# Exit status when stdout is a closed pipe (`kdtree info --json T | head`): a shell's for a SIGPIPE kill.
+BROKEN_PIPE_EXIT = 141
 
 
 class UsageError(Exception):
@@ -374,16 +376,41 @@ def _cmd_train_target(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run one command; its exit status. A closed stdout pipe ends it quietly (BROKEN_PIPE_EXIT)."""
     try:
-        return args.func(args)
-    except UsageError as e:
-        print(f"kdtree {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"kdtree {args.command}: interrupted", file=sys.stderr)
-        return 130
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        try:
+            code = args.func(args)
+        except UsageError as e:
+            _error_line(f"kdtree {args.command}: error: {e}")
+            return 2
+        except KeyboardInterrupt:
+            _error_line(f"kdtree {args.command}: interrupted")
+            return 130
+        sys.stdout.flush()  # here, not at exit, where a closed pipe would print a traceback
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return BROKEN_PIPE_EXIT
+
+
+def _error_line(line: str) -> None:
+    """One line on stderr; nothing when stderr is itself a closed pipe."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (BrokenPipeError, OSError):
+        pass
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush does not fail on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a captured stdout in tests)
+        pass
 
 
 if __name__ == "__main__":
