@@ -159,8 +159,9 @@ class TraceReader:
     # -- random access --------------------------------------------------------------------------------
     def step(self, index: int) -> StepRecord:
         """Step ``index`` (0-based; negative counts from the end), reading only that row."""
-        i = self._check_index(index)
         with self._lock:
+            self._check_open()
+            i = self._check_index(index)
             rows = self._read(self._steps, slice(i, min(i + 2, self.num_steps)))
             logits = np.array(self._read(self._logits, i)) if self._logits is not None else None
         row = rows[0]
@@ -202,10 +203,12 @@ class TraceReader:
 
     def field(self, name: str, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
         """A stored per-step field over steps [start, stop), shape [stop-start, ...] as stored (padding -1 / NaN)."""
+        self._check_open()
         if name not in self._steps.dtype.names:
             raise KeyError(f"{name!r} is not a stored per-step field")
         start, stop = self._check_range(start, stop)
         with self._lock:
+            self._check_open()
             return self._read_rows([name], start, stop)[name]
 
     def fields(self, names: Iterable[str], start: int = 0, stop: Optional[int] = None) -> dict[str, np.ndarray]:
@@ -214,6 +217,7 @@ class TraceReader:
         A name in COLUMNS (per-step scalars, including the derived ``time_trace_write``) reads as
         ``column`` does (int64 / float64 [stop-start], cached); any other stored field as ``field`` does.
         """
+        self._check_open()
         names = list(dict.fromkeys(names))
         stored = self._steps.dtype.names
         for name in names:
@@ -221,6 +225,7 @@ class TraceReader:
                 raise KeyError(f"{name!r} is not a per-step field of this trace")
         start, stop = self._check_range(start, stop)
         with self._lock:
+            self._check_open()
             n = self.num_steps
             # name -> (stored field, rows [lo, hi)): time_trace_write of step i is stored in row i+1.
             wanted = {name: ("time_trace_write_prev", min(start + 1, n), min(stop + 1, n))
@@ -291,6 +296,7 @@ class TraceReader:
 
     def vocabulary(self) -> Optional[list[bytes]]:
         """The raw bytes of every token id (traces of BPE models), or None (byte-level: id = byte)."""
+        self._check_open()
         if "vocab_offsets" not in self._file:
             return None
         offsets = self._read(self._dataset("vocab_offsets"), slice(None)).astype(np.int64)
@@ -303,19 +309,26 @@ class TraceReader:
     @property
     def output_tokens(self) -> np.ndarray:
         """The output recorded by finish() (empty while recording), int64."""
+        self._check_open()
         return self._read(self._dataset("output_tokens"), slice(None)).astype(np.int64)
 
     @property
     def golden_tokens(self) -> np.ndarray:
         """The golden tokens recorded by finish() (empty while recording or when none), int64."""
+        self._check_open()
         return self._read(self._dataset("golden_tokens"), slice(None)).astype(np.int64)
 
     def summary(self):
         """TraceSummary of the steps read so far (traces.summary)."""
         from kdspec.traces.summary import summarize_trace
+        self._check_open()
         return summarize_trace(self)
 
     # -- lifetime -------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._file is None:
+            raise TraceError(f"{self.path}: the trace was closed")
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -158,7 +158,7 @@ class TraceWriter:
                  "time_trace_write_last": math.nan, "tokenizer": str(run.tokenizer)}
         for key, value in attrs.items():
             f.attrs[key] = value
-        prompt = np.asarray(run.prompt_tokens, dtype=np.int32).reshape(-1)
+        prompt = _int32_tokens(self.path, "prompt_tokens", run.prompt_tokens)
         f.create_dataset("prompt_tokens", data=prompt, dtype="<i4")
         if run.vocabulary is not None:
             self._write_vocabulary(run.vocabulary, compression)
@@ -271,6 +271,9 @@ class TraceWriter:
             if value.shape != want:
                 raise TraceError(f"{self.path}: step {self.num_steps}: {name} must have shape {list(want)}, "
                                  f"got {list(value.shape)}")
+            problem = _unstorable(value, field.dtype)
+            if problem:
+                raise TraceError(f"{self.path}: step {self.num_steps}: {name} {problem}")
             if field.kind == "scalar":
                 row[name] = value
             else:
@@ -293,7 +296,7 @@ class TraceWriter:
             for name, tokens in (("output_tokens", output_tokens), ("golden_tokens", golden_tokens)):
                 if tokens is None:
                     continue
-                values = np.asarray(tokens, dtype=np.int32).reshape(-1)
+                values = _int32_tokens(self.path, name, tokens)
                 dataset = self._file[name]
                 dataset.resize(values.shape)
                 dataset[...] = values
@@ -331,6 +334,35 @@ def _fixed(text: str) -> np.bytes_:
     if len(text.encode()) > 32:
         raise TraceError(f"attribute value {text!r} is longer than 32 bytes")
     return np.array(text.encode(), dtype="S32")[()]
+
+
+def _unstorable(value: np.ndarray, dtype: str) -> str:
+    """Why ``value`` cannot be stored as ``dtype`` without changing it ("" when it can): integer fields take
+    integers within the dtype's range (numpy would wrap them silently), float fields numbers."""
+    kind = np.dtype(dtype).kind
+    if kind == "i":
+        if value.dtype.kind not in "iu":
+            return f"must hold integers, got {value.dtype}"
+        limits = np.iinfo(dtype)
+        if value.size and (int(value.min()) < limits.min or int(value.max()) > limits.max):
+            return f"holds values outside {np.dtype(dtype).name} ({int(value.min())}..{int(value.max())})"
+    elif value.dtype.kind not in "fiu":
+        return f"must hold numbers, got {value.dtype}"
+    return ""
+
+
+def _int32_tokens(path: str, name: str, tokens: Sequence[int]) -> np.ndarray:
+    """Token ids as int32 [n]; TraceError when they are not integers of int32 range."""
+    try:
+        values = np.asarray(tokens).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TraceError(f"{path}: {name} must be token ids ({_first_line(e)})") from None
+    if values.size == 0:
+        return np.zeros(0, np.int32)
+    problem = _unstorable(values, "<i4")
+    if problem:
+        raise TraceError(f"{path}: {name} {problem}")
+    return values.astype(np.int32)
 
 
 def _first_line(error: BaseException) -> str:

@@ -18,10 +18,12 @@ from kdspec.engine.decode.config import DecodeConfig
 from kdspec.engine.decode.drafters import parse_drafter
 from kdspec.engine.decode.loop import GenerateResult, check_prompt, generate
 from kdspec.engine.golden.model import GoldenRun, ReferenceModel, decode
+from kdspec.engine.golden.sampling import check_temperature
 from kdspec.engine.model.checkpoint import load_model, model_tokenizer
 from kdspec.engine.model.config import ModelConfig
 
 BACKENDS = ("reference", "sim", "cuda", "auto")
+WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
 class BackendUnavailable(RuntimeError):
@@ -89,6 +91,7 @@ class Engine:
     def golden(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: Optional[int] = None) -> GoldenRun:
         """The float64 golden AR run of ``max_new_tokens`` after ``prompt`` (engine.reference.decode)."""
         seed = self.seed if seed is None else seed
+        temperature = check_temperature(temperature)  # before the prefill, not at the first token
         return decode(self.reference, self.encode_prompt(prompt), max_new_tokens, temperature, seed)
 
     def golden_for(self, prompt, config: DecodeConfig) -> GoldenRun:
@@ -137,6 +140,8 @@ def load(model: Union[str, Path] = "tiny", backend: str = "reference", seed: int
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     cfg, weights = load_model(model, seed)
     candidates = ("cuda", "sim", "reference") if backend == "auto" else (backend,)
     for name in candidates:

@@ -8,6 +8,8 @@ which changes a choice only at an exact float64 tie.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
@@ -46,6 +48,14 @@ def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
     return -np.log(-np.log(uniform(seed, position, np.arange(vocab))))
 
 
+def check_temperature(temperature) -> float:
+    """The temperature as a float; ValueError unless it is a finite number >= 0 (not a bool)."""
+    if (isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.integer, np.floating))
+            or not math.isfinite(temperature) or temperature < 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    return float(temperature)
+
+
 def choose_token(logits: np.ndarray, temperature: float, seed: int, position: int) -> int:
     """Next token from logits [V]: argmax (ties -> lowest id) at T == 0, else argmax(logits / T + gumbel).
 
@@ -54,8 +64,7 @@ def choose_token(logits: np.ndarray, temperature: float, seed: int, position: in
     logits = np.asarray(logits)
     if logits.ndim != 1 or logits.shape[0] == 0:
         raise ValueError(f"logits must be [V] with V > 0, got shape {logits.shape}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    temperature = check_temperature(temperature)
     if temperature == 0:
         return int(np.argmax(logits))  # np.argmax returns the first (lowest) index of the max
     perturbed = logits.astype(np.float64) / np.float64(temperature) + gumbel_noise(seed, position, logits.shape[0])

@@ -1,0 +1,32 @@
+"""The engine's Python API refuses bad arguments with its own error types (issue 21, defect 13)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kdspec.engine.decode import api
+from kdspec.engine.decode.config import DecodeConfig
+from kdspec.engine.golden.sampling import choose_token
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return api.load("tiny", backend="reference")
+
+
+@pytest.mark.parametrize("temperature", [math.nan, math.inf, -1.0, True, "0.5", None])
+def test_bad_temperatures_are_value_errors(engine, temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        engine.golden([1, 2, 3], 2, temperature=temperature)
+    with pytest.raises(ValueError, match="temperature"):
+        choose_token(np.zeros(4), temperature, 0, 0)
+    with pytest.raises(ValueError, match="temperature"):
+        DecodeConfig(4, temperature=temperature)
+
+
+def test_bogus_weight_dtype_is_refused():
+    for backend in ("reference", "auto"):
+        with pytest.raises(ValueError, match="weight_dtype"):
+            api.load("tiny", backend=backend, weight_dtype="bogus")

@@ -1,0 +1,65 @@
+"""Trace reliability (issue 21): the writer and reader under misuse, damage, interruption and full disks."""
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from kdspec.traces import TraceError, TraceWriter, check, open_trace
+
+from test_traces import make_run, write_run
+
+RUN = dict(block_size=8, budget=7, draft_topk=7)
+
+
+def valid_trace(path, steps=4, seed=7, **kw):
+    records, output, golden = make_run(seed, steps, 8, 7, 7)
+    write_run(path, records, output, golden, **RUN, **kw)
+    return path
+
+
+def new_writer(path, **kw):
+    from test_traces import MODEL_CONFIG, decode_config
+    from kdspec.traces import RunMetadata
+    run = RunMetadata(decode_config(8, 7, 7), MODEL_CONFIG, "reference", "cpu", [1, 2, 3, 4, 5])
+    return TraceWriter(path, run, **kw)
+
+
+# -- defect 13: the Python API ---------------------------------------------------------------------------
+def test_a_closed_reader_raises_trace_errors(tmp_path):
+    reader = open_trace(valid_trace(tmp_path / "t.h5"))
+    reader.close()
+    for call in (lambda: reader.step(0), lambda: reader.field("tree_tokens"), lambda: reader.column("tau"),
+                 lambda: reader.fields(["tau"]), reader.summary, lambda: reader.output_tokens,
+                 lambda: reader.golden_tokens, reader.vocabulary, reader.refresh, lambda: check(reader)):
+        with pytest.raises(TraceError, match="closed"):
+            call()
+
+
+@pytest.mark.parametrize("name,value", [("root_token", 2 ** 31), ("bonus_token", -2 ** 31 - 1),
+                                        ("prefix_len", 2 ** 63), ("tree_tokens", "big"), ("compact_src", "float")])
+def test_out_of_range_ids_are_trace_errors(tmp_path, name, value):
+    records, _, _ = make_run(1, 1, 8, 7, 7)
+    record = dict(records[0])
+    if value == "big":
+        value = np.asarray(record[name], np.int64) + 2 ** 31
+    elif value == "float":
+        value = np.asarray(record[name], np.float64) + 0.5
+    record[name] = value
+    with new_writer(tmp_path / "t.h5") as writer:
+        with pytest.raises(TraceError, match=name):
+            writer.write_step(record)
+
+
+def test_out_of_range_output_and_prompt_tokens_are_trace_errors(tmp_path):
+    from test_traces import MODEL_CONFIG, decode_config
+    from kdspec.traces import RunMetadata
+    with pytest.raises(TraceError, match="prompt_tokens"):
+        TraceWriter(tmp_path / "p.h5", RunMetadata(decode_config(8, 7, 7), MODEL_CONFIG, "r", "c", [2 ** 31]))
+    records, output, golden = make_run(1, 2, 8, 7, 7)
+    for bad in ([2 ** 31], np.array([2 ** 40]), [1.5]):
+        with new_writer(tmp_path / "o.h5", force=True) as writer:
+            for record in records:
+                writer.write_step(record)
+            with pytest.raises(TraceError, match="output_tokens"):
+                writer.finish(bad, golden)
