@@ -144,8 +144,70 @@ def _progress(message: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the child
-async def _measure(path: str, keys: tuple) -> dict:
+def _record_frames(app, compositor_update) -> tuple:
+    """Wrap the app's ``_display`` so each composed frame is rendered to escape sequences (what a terminal
+    would be sent) and recorded; the frames, (perf_counter, index of the record shown or -1, steps with
+    columns read) each, and the event that each new frame sets."""
     import asyncio
+
+    frames = []
+    frame_seen = asyncio.Event()
+    display = app._display
+
+    def timed_display(screen, renderable) -> None:
+        display(screen, renderable)
+        if renderable is None:
+            return
+        if isinstance(renderable, compositor_update):
+            renderable.render_segments(app.console)  # what a terminal would be sent
+        record = app.record
+        frames.append((time.perf_counter(), -1 if record is None else record.index, app.session.rows))
+        frame_seen.set()
+
+    app._display = timed_display
+    return frames, frame_seen
+
+
+async def _first_screen(app, pilot, frames: list, opened: float) -> dict:
+    """Wait for the first frame, the first screen (step 0 and the visible step rows), then every column."""
+    result = {}
+    while not frames:
+        await pilot.pause(0.001)
+    result["first_paint_at"] = time.time() - (time.perf_counter() - frames[0][0])
+    result["open_to_first_paint_s"] = frames[0][0] - opened
+    visible = SIZE[1]
+    while not any(index == 0 and rows >= min(visible, app.session.num_steps) for _, index, rows in frames):
+        await pilot.pause(0.005)
+    result["open_to_first_screen_s"] = next(t for t, index, rows in frames
+                                            if index == 0 and rows >= min(visible, app.session.num_steps)) - opened
+    while not app.session.loaded:
+        await pilot.pause(0.01)
+    result["open_to_columns_s"] = time.perf_counter() - opened
+    return result
+
+
+async def _key_latencies(app, frames: list, frame_seen, keys: tuple, key_event) -> list[float]:
+    """Per key: ms from posting ``key_event`` to the first frame that shows the new cursor's record."""
+    import asyncio
+
+    latencies = []
+    for key in keys:
+        before = app.record
+        frame_seen.clear()
+        start = time.perf_counter()
+        app.post_message(key_event(key, key if len(key) == 1 else None))
+        while True:
+            await asyncio.wait_for(frame_seen.wait(), timeout=10)
+            frame_seen.clear()
+            record = app.record
+            if record is not before and record is not None and record.index == app.cursor:
+                break
+        latencies.append(1e3 * (frames[-1][0] - start))
+        await app.workers.wait_for_complete()
+    return latencies
+
+
+async def _measure(path: str, keys: tuple) -> dict:
     import resource
 
     imported = time.time()
@@ -157,52 +219,13 @@ async def _measure(path: str, keys: tuple) -> dict:
 
     opened = time.perf_counter()
     app = TraceApp(path)
-    frames = []     # (perf_counter, index of the record shown or -1, steps with columns read)
-    frame_seen = asyncio.Event()
-    display = app._display
-
-    def timed_display(screen, renderable) -> None:
-        display(screen, renderable)
-        if renderable is None:
-            return
-        if isinstance(renderable, CompositorUpdate):
-            renderable.render_segments(app.console)  # what a terminal would be sent
-        record = app.record
-        frames.append((time.perf_counter(), -1 if record is None else record.index, app.session.rows))
-        frame_seen.set()
-
-    app._display = timed_display
+    frames, frame_seen = _record_frames(app, CompositorUpdate)
     result: dict = {"imports_s": imports_s}
     async with app.run_test(size=SIZE) as pilot:
-        while not frames:
-            await pilot.pause(0.001)
-        result["first_paint_at"] = time.time() - (time.perf_counter() - frames[0][0])
-        result["open_to_first_paint_s"] = frames[0][0] - opened
-        visible = SIZE[1]
-        while not any(index == 0 and rows >= min(visible, app.session.num_steps) for _, index, rows in frames):
-            await pilot.pause(0.005)
-        result["open_to_first_screen_s"] = next(t for t, index, rows in frames
-                                                if index == 0 and rows >= min(visible, app.session.num_steps)) - opened
-        while not app.session.loaded:
-            await pilot.pause(0.01)
-        result["open_to_columns_s"] = time.perf_counter() - opened
+        result.update(await _first_screen(app, pilot, frames, opened))
         await app.workers.wait_for_complete()
         await pilot.pause()
-        latencies = []
-        for key in keys:
-            before = app.record
-            frame_seen.clear()
-            start = time.perf_counter()
-            app.post_message(events.Key(key, key if len(key) == 1 else None))
-            while True:
-                await asyncio.wait_for(frame_seen.wait(), timeout=10)
-                frame_seen.clear()
-                record = app.record
-                if record is not before and record is not None and record.index == app.cursor:
-                    break
-            latencies.append(1e3 * (frames[-1][0] - start))
-            await app.workers.wait_for_complete()
-        result["key_ms"] = latencies
+        result["key_ms"] = await _key_latencies(app, frames, frame_seen, keys, events.Key)
         result["end_step"] = app.cursor
         await pilot.press("4")          # the run view: stats over every step, output text
         await app.workers.wait_for_complete()

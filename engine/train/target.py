@@ -152,42 +152,61 @@ def run(args: argparse.Namespace) -> int:
             log_file.close()
 
 
-def _train_and_save(args, device, data: PreparedData, out: Path, log, wall_start: float) -> int:
+def _versions() -> dict:
     import torch
     import transformers
 
-    from .balance import load_spread
-    from .samples import greedy_continuations
-    from .trainer import bf16_copy, train
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
 
-    shape = with_vocab(SHAPES[args.shape], data.vocab_size)
-    optim = OPTIMS[args.shape]
-    baselines = _run_baselines(data, log)
-    reference = baselines["this_run"] or baselines["data_dir"]
-    log(f"device {_device_name(device)}; torch {torch.__version__}, transformers {transformers.__version__}; "
+
+def _log_setup(log, device, shape, data: PreparedData, reference: dict, versions: dict) -> None:
+    """The run's first lines: device, versions, sizes, then the baselines to beat."""
+    log(f"device {_device_name(device)}; torch {versions['torch']}, transformers {versions['transformers']}; "
         f"{shape.parameter_count()} parameters; vocab {data.vocab_size}; train {len(data.train)} tokens, "
         f"held-out {len(data.heldout)} tokens / {data.heldout_raw_bytes} bytes")
     log(f"held-out baselines (bits/byte): gzip per file {reference['gzip_per_file']:.4f}, xz per file "
         f"{reference['xz_per_file']:.4f}, xz whole {reference['xz_whole']:.4f}")
 
-    windows = eval_windows(data.heldout, optim.context)
-    result = train(shape, optim, data.train, windows, data.heldout_raw_bytes, device, args.time_budget,
-                   args.seed, max_steps=args.max_steps, experts_implementation=args.experts_implementation,
-                   log=log)
-    bits = result.final.bits_per_byte(data.heldout_raw_bytes)
-    saved = bf16_copy(result.model)
+
+def _save_model(model, data: PreparedData, out: Path) -> None:
+    """save_pretrained of a bf16 copy (router biases fp32), and the tokenizer beside it."""
+    from .trainer import bf16_copy
+
+    saved = bf16_copy(model)
     saved.save_pretrained(out, safe_serialization=True)
     del saved
     shutil.copyfile(data.tokenizer_path, out / data.tokenizer_path.name)
 
-    manifest = {
+
+def _recipe(args, shape, optim, device, model_config) -> dict:
+    return {"shape": asdict(shape), "optim": asdict(optim), "seed": args.seed,
+            "time_budget_s": args.time_budget, "max_steps": args.max_steps, "device": str(device),
+            "attn_implementation": model_config._attn_implementation,
+            "experts_implementation": getattr(model_config, "_experts_implementation", None),
+            "saved_dtype": "bfloat16 (mlp.gate.e_score_correction_bias float32)"}
+
+
+def _heldout(result, data: PreparedData, reference: dict, bits: float) -> dict:
+    """The saved weights' held-out score, and its distance to the baselines."""
+    return {"bits_per_byte": bits, "loss_nats_per_token": result.final.loss,
+            "predictions": result.final.predictions, "raw_bytes": data.heldout_raw_bytes,
+            "evaluation": EVALUATION, "best_step": result.best_step,
+            "best_loss_during_training_bf16_autocast": result.best_heldout_loss,
+            "minus_gzip_per_file": bits - reference["gzip_per_file"],
+            "minus_xz_per_file": bits - reference["xz_per_file"],
+            "minus_xz_whole": bits - reference["xz_whole"]}
+
+
+def _manifest(args, device, data: PreparedData, shape, optim, result, baselines: dict, versions: dict) -> dict:
+    """manifest.json but its samples (filled in later), wall_seconds and files (at each write)."""
+    from .balance import load_spread
+
+    reference = baselines["this_run"] or baselines["data_dir"]
+    bits = result.final.bits_per_byte(data.heldout_raw_bytes)
+    return {
         "model": args.shape,
         "architecture": "DeepseekV3ForCausalLM (transformers)",
-        "recipe": {"shape": asdict(shape), "optim": asdict(optim), "seed": args.seed,
-                   "time_budget_s": args.time_budget, "max_steps": args.max_steps, "device": str(device),
-                   "attn_implementation": result.model.config._attn_implementation,
-                   "experts_implementation": getattr(result.model.config, "_experts_implementation", None),
-                   "saved_dtype": "bfloat16 (mlp.gate.e_score_correction_bias float32)"},
+        "recipe": _recipe(args, shape, optim, device, result.model.config),
         "corpus": data.manifest["corpus"],
         "data": {"corpus_file": data.manifest["corpus_file"], "streams": data.manifest["streams"],
                  "tokenizer": data.manifest["tokenizer"]},
@@ -199,42 +218,62 @@ def _train_and_save(args, device, data: PreparedData, out: Path, log, wall_start
                              "evaluation, dropout on, bf16 autocast; heldout_loss: nats/token over the whole "
                              "held-out split, bf16 autocast; heldout_expert_cv: mean over MoE layers of "
                              "std/mean of per-expert held-out load; seconds: training clock",
-        "heldout": {"bits_per_byte": bits, "loss_nats_per_token": result.final.loss,
-                    "predictions": result.final.predictions, "raw_bytes": data.heldout_raw_bytes,
-                    "evaluation": EVALUATION, "best_step": result.best_step,
-                    "best_loss_during_training_bf16_autocast": result.best_heldout_loss,
-                    "minus_gzip_per_file": bits - reference["gzip_per_file"],
-                    "minus_xz_per_file": bits - reference["xz_per_file"],
-                    "minus_xz_whole": bits - reference["xz_whole"]},
+        "heldout": _heldout(result, data, reference, bits),
         "baselines": baselines,
         "expert_load_heldout": load_spread(result.final.expert_counts),
         "e_score_correction_bias": _bias_summary(result.loads.biases()),
         "steps": result.steps, "tokens": result.tokens, "stop_reason": result.stop_reason,
         "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
         "tokens_per_s": result.tokens / max(result.train_seconds, 1e-9),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
+        "versions": versions,
         "device_name": _device_name(device),
         "samples": None,
     }
 
-    def write_manifest() -> None:
-        manifest["wall_seconds"] = time.perf_counter() - wall_start
-        manifest["files"] = _output_files(out)
-        (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
 
-    write_manifest()  # a failure in sampling still leaves a complete model directory
+def _write_manifest(out: Path, manifest: dict, wall_start: float) -> None:
+    manifest["wall_seconds"] = time.perf_counter() - wall_start
+    manifest["files"] = _output_files(out)
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _greedy_samples(model, data: PreparedData, optim, device, log) -> list[dict] | dict:
+    """Greedy continuations of the data's sample prompts, logged; a failure is returned as {"error": ...}."""
+    from .samples import greedy_continuations
+
     try:
-        manifest["samples"] = greedy_continuations(result.model, data.manifest["sample_prompts"],
-                                                   optim.sample_new_tokens, EOD_ID, data.decoder(), device)
-        for s in manifest["samples"]:
+        samples = greedy_continuations(model, data.manifest["sample_prompts"], optim.sample_new_tokens, EOD_ID,
+                                       data.decoder(), device)
+        for s in samples:
             log(f"--- {s['relpath']}:{s['line']}\n{s['prompt']}{s['continuation']}")
+        return samples
     except Exception as e:  # noqa: BLE001 - recorded, the model directory is already complete
-        manifest["samples"] = {"error": f"{type(e).__name__}: {e}"}
         log(f"greedy samples failed: {type(e).__name__}: {e}")
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _train_and_save(args, device, data: PreparedData, out: Path, log, wall_start: float) -> int:
+    from .trainer import train
+
+    shape = with_vocab(SHAPES[args.shape], data.vocab_size)
+    optim = OPTIMS[args.shape]
+    baselines = _run_baselines(data, log)
+    reference = baselines["this_run"] or baselines["data_dir"]
+    versions = _versions()
+    _log_setup(log, device, shape, data, reference, versions)
+
+    windows = eval_windows(data.heldout, optim.context)
+    result = train(shape, optim, data.train, windows, data.heldout_raw_bytes, device, args.time_budget,
+                   args.seed, max_steps=args.max_steps, experts_implementation=args.experts_implementation,
+                   log=log)
+    _save_model(result.model, data, out)
+    manifest = _manifest(args, device, data, shape, optim, result, baselines, versions)
+    _write_manifest(out, manifest, wall_start)  # a failure in sampling still leaves a complete model directory
+    manifest["samples"] = _greedy_samples(result.model, data, optim, device, log)
+    bits = manifest["heldout"]["bits_per_byte"]
     log(f"held-out {bits:.4f} bits/byte vs gzip per file {reference['gzip_per_file']:.4f}, xz per file "
         f"{reference['xz_per_file']:.4f}, xz whole {reference['xz_whole']:.4f}; wrote {out}")
-    write_manifest()
+    _write_manifest(out, manifest, wall_start)
     log(f"wall {manifest['wall_seconds']:.1f} s")
     return 0
 
