@@ -6,8 +6,10 @@ starts fast and works where numba is absent. Errors the user can fix print one l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import shutil
 import sys
 import tempfile
@@ -22,6 +24,27 @@ BROKEN_PIPE_EXIT = 141
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a recording, raised like Ctrl-C so that the trace is closed "interrupted" (exit 143)."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """While recording, SIGTERM raises Terminated in the main thread (Python's default would kill the process
+    with the trace left "recording")."""
+    def interrupt(signum, frame):
+        raise Terminated()
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave the default
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -90,9 +113,10 @@ def record_trace(model: str, out: str, prompt_ids: list[int], config, *, backend
     write every step to ``out``; returns a summary dict. Raises UsageError for anything the user can fix."""
     if os.path.exists(out) and not force:
         raise UsageError(f"{out} exists (pass --force to overwrite it)")
-    engine, golden = _load_with_golden(model, prompt_ids, config, backend, weight_dtype)
-    writer = _open_writer(out, engine, model, prompt_ids, config, force)
-    result = _decode_into(writer, engine, prompt_ids, config, golden, progress)
+    with _sigterm_interrupts():
+        engine, golden = _load_with_golden(model, prompt_ids, config, backend, weight_dtype)
+        writer = _open_writer(out, engine, model, prompt_ids, config, force)
+        result = _decode_into(writer, engine, prompt_ids, config, golden, progress)
     return dict(out=out, backend=engine.backend, device=_device_name(engine.backend), steps=result.steps,
                 mean_tau=result.mean_tau, golden_match=result.golden_match, tokens=len(result.tokens),
                 elapsed=result.elapsed)
@@ -153,6 +177,9 @@ def _decode_into(writer, engine, prompt_ids: list[int], config, golden, progress
     except TraceError as e:
         writer.close(status="failed")
         raise UsageError(str(e)) from None
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (Terminated): every completed step stays
+        writer.close(status="interrupted")
+        raise
     except BaseException:
         writer.close(status="failed")
         raise
@@ -385,9 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         except UsageError as e:
             _error_line(f"kdtree {args.command}: error: {e}")
             return 2
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             _error_line(f"kdtree {args.command}: interrupted")
-            return 130
+            return 143 if isinstance(e, Terminated) else 130
         sys.stdout.flush()  # here, not at exit, where a closed pipe would print a traceback
         return code
     except BrokenPipeError:

@@ -328,12 +328,13 @@ class TraceWriter:
         self.close("interrupted" if exc_type is not None else None)
 
 
-def _fixed(text: str) -> np.bytes_:
+def _fixed(text: str) -> np.ndarray:
     """A fixed-width (32-byte) string for the attributes finish() changes in SWMR mode: a variable-length
     string lives in the global heap, which a live SWMR reader may hold stale ("bad heap pointer")."""
     if len(text.encode()) > 32:
         raise TraceError(f"attribute value {text!r} is longer than 32 bytes")
-    return np.array(text.encode(), dtype="S32")[()]
+    # a 0-d S32 array, not its scalar: h5py stores a numpy bytes scalar at its own length (S9 for "recording")
+    return np.array(text.encode(), dtype="S32")
 
 
 def _unstorable(value: np.ndarray, dtype: str) -> str:

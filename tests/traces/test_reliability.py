@@ -63,3 +63,30 @@ def test_out_of_range_output_and_prompt_tokens_are_trace_errors(tmp_path):
                 writer.write_step(record)
             with pytest.raises(TraceError, match="output_tokens"):
                 writer.finish(bad, golden)
+
+
+# -- defect 10: attributes finish() and close() change are stored at their full width --------------------
+@pytest.mark.parametrize("how", ["finish", "interrupted", "failed", "exception"])
+def test_status_and_end_time_are_stored_whole(tmp_path, how):
+    records, output, golden = make_run(1, 3, 8, 7, 7)
+    path = tmp_path / "t.h5"
+    try:
+        with new_writer(path) as writer:
+            for record in records:
+                writer.write_step(record)
+            if how == "finish":
+                writer.finish(output, golden)
+            elif how == "exception":
+                raise RuntimeError("boom")
+            else:
+                writer.close(how)
+    except RuntimeError:
+        pass
+    with open_trace(path) as reader:
+        status = {"finish": "complete", "exception": "interrupted"}.get(how, how)
+        assert reader.metadata["status"] == status and reader.num_steps == 3
+        end = reader.metadata["end_time"]
+        assert end.startswith(reader.metadata["start_time"][:4]) and len(end) == 32, end
+    with h5py.File(path, "r") as f:
+        assert f.attrs.get_id("status").dtype.itemsize == 32
+        assert f.attrs.get_id("end_time").dtype.itemsize == 32

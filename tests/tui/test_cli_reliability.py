@@ -6,6 +6,7 @@ Most cases call ``cli.main`` in-process (capsys); a few that need a real process
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kdspec.kdtree_tui import cli
+from kdspec.traces import open_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
@@ -43,3 +45,44 @@ def test_a_closed_stdout_pipe_exits_quietly(small_trace):
         assert result.stderr == "", (args, result.stderr)
         # argparse itself ignores a failed write of --help (exit 0)
         assert result.returncode == (0 if args == ["--help"] else cli.BROKEN_PIPE_EXIT), (args, result.returncode)
+
+
+# The child records through cli.main with each step's write slowed down and reported on stdout, so the test
+# can signal it in the middle of the run.
+SLOW_RECORD = """
+import sys, time
+from kdspec.kdtree_tui import cli
+from kdspec.traces import open_trace
+from kdspec.traces.writer import TraceWriter
+write = TraceWriter.write_step
+def slow_write(self, record):
+    write(self, record)
+    print(self.num_steps, flush=True)
+    time.sleep(0.05)
+TraceWriter.write_step = slow_write
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_and_sigterm_leave_an_interrupted_trace_with_every_step(tmp_path, signum, code):
+    out = tmp_path / "killed.h5"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_RECORD, "record", "--backend", "reference", "--mode", "ar",
+                             "--max-new-tokens", "200", "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        written = 0
+        while written < 5:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            written = int(line)
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    written = max([written] + [int(x) for x in stdout.split() if x.isdigit()])
+    assert proc.returncode == code, stderr
+    assert stderr.strip() == "kdtree record: interrupted" and "Traceback" not in stderr
+    with open_trace(out) as reader:
+        assert reader.metadata["status"] == "interrupted"
+        assert reader.num_steps == written and len(reader.metadata["end_time"]) == 32
