@@ -281,6 +281,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     backend = _select_backend("auto")
     from kdspec.engine.decode.config import DecodeConfig
 
+    if args.out and os.path.lexists(args.out) and not args.force:
+        raise UsageError(f"{args.out} exists (pass --force to overwrite it)")
     out = args.out or os.path.join(tempfile.mkdtemp(prefix="kdtree-demo-"), "demo.h5")
     try:
         config = DecodeConfig(args.max_new_tokens, mode="ddtree", drafter="noisy:0.7", block_size=8, budget=16)
@@ -288,7 +290,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     print(f"recording a DDTree trace of `tiny` (noisy:0.7 drafter, budget 16) to {out} ...", file=sys.stderr)
     prompt = _parse_prompt(argparse.Namespace(prompt_ids=None, prompt="Hello, tree!", model="tiny"))
-    summary = record_trace("tiny", out, prompt, config, backend=backend, force=True, progress=sys.stderr.isatty())
+    summary = record_trace("tiny", out, prompt, config, backend=backend, force=args.force,
+                           progress=sys.stderr.isatty())
     print(f"recorded {summary['steps']} steps on {summary['backend']} ({summary['device']}), mean tau "
           f"{summary['mean_tau']:.2f}", file=sys.stderr)
     if args.no_tui:
@@ -373,6 +376,7 @@ def _add_demo_and_bench(sub) -> None:
     p = sub.add_parser("demo", help="record a short DDTree trace of `tiny` on the best backend and open it")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--out", help="where to write the trace (default: a temporary directory)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.add_argument("--no-tui", action="store_true", help="record only; print the trace path")
     p.set_defaults(func=_cmd_demo)
     _add_train(sub.add_parser("train", help="train the shipped models (needs the `train` extra: torch, transformers)"))

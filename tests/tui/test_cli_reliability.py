@@ -86,3 +86,17 @@ def test_ctrl_c_and_sigterm_leave_an_interrupted_trace_with_every_step(tmp_path,
     with open_trace(out) as reader:
         assert reader.metadata["status"] == "interrupted"
         assert reader.num_steps == written and len(reader.metadata["end_time"]) == 32
+
+
+# -- defect 4 -----------------------------------------------------------------------------------------------
+def test_demo_does_not_overwrite_without_force(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_select_backend", lambda name: "reference")  # the simulator is slow here
+    existing = tmp_path / "demo.h5"
+    existing.write_bytes(b"keep me")
+    assert cli.main(["demo", "--out", str(existing), "--no-tui", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "exists" in err and "--force" in err and len(err.strip().splitlines()) == 1
+    assert existing.read_bytes() == b"keep me"
+    assert cli.main(["demo", "--out", str(existing), "--no-tui", "--max-new-tokens", "4", "--force"]) == 0
+    with open_trace(existing) as reader:
+        assert reader.is_complete
