@@ -111,12 +111,22 @@ def record_trace(model: str, out: str, prompt_ids: list[int], config, *, backend
                  weight_dtype: str = "float32", force: bool = False, progress: bool = False) -> dict:
     """Load the model, run the golden and the engine with ``config`` (engine.decode.config.DecodeConfig) and
     write every step to ``out``; returns a summary dict. Raises UsageError for anything the user can fix."""
+    from kdspec.traces import TraceError
+    from kdspec.traces.lock import OutputLock
+
     if os.path.exists(out) and not force:
         raise UsageError(f"{out} exists (pass --force to overwrite it)")
-    with _sigterm_interrupts():
-        engine, golden = _load_with_golden(model, prompt_ids, config, backend, weight_dtype)
-        writer = _open_writer(out, engine, model, prompt_ids, config, force)
-        result = _decode_into(writer, engine, prompt_ids, config, golden, progress)
+    try:  # before the model loads: a second recorder of ``out`` is told at once
+        lock = OutputLock(out)
+    except TraceError as e:
+        raise UsageError(str(e)) from None
+    try:
+        with _sigterm_interrupts():
+            engine, golden = _load_with_golden(model, prompt_ids, config, backend, weight_dtype)
+            writer = _open_writer(out, engine, model, prompt_ids, config, force, lock)
+            result = _decode_into(writer, engine, prompt_ids, config, golden, progress)
+    finally:
+        lock.release()  # the writer gave it back already, unless it was never opened
     return dict(out=out, backend=engine.backend, device=_device_name(engine.backend), steps=result.steps,
                 mean_tau=result.mean_tau, golden_match=result.golden_match, tokens=len(result.tokens),
                 elapsed=result.elapsed)
@@ -140,7 +150,7 @@ def _load_with_golden(model: str, prompt_ids: list[int], config, backend: str, w
         raise UsageError(str(e)) from None
 
 
-def _open_writer(out: str, engine, model: str, prompt_ids: list[int], config, force: bool):
+def _open_writer(out: str, engine, model: str, prompt_ids: list[int], config, force: bool, lock=None):
     """The trace writer of a run of ``config`` on ``engine``: its decode_config is the resolved config's dict;
     a BPE model's vocabulary goes in, so that the viewer shows text without the tokenizer."""
     from kdspec.engine.model.tokenizer import vocabulary_bytes
@@ -153,7 +163,7 @@ def _open_writer(out: str, engine, model: str, prompt_ids: list[int], config, fo
                       vocabulary=None if engine.tokenizer.name == "byte" else
                       vocabulary_bytes(engine.tokenizer, engine.cfg.vocab_size))
     try:
-        return TraceWriter(out, run, save_logits=config.record_logits, force=force)
+        return TraceWriter(out, run, save_logits=config.record_logits, force=force, lock=lock)
     except TraceError as e:
         raise UsageError(str(e)) from None
 

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional, Sequence
 import h5py
 import numpy as np
 
+from kdspec.traces.lock import OutputLock
 from kdspec.traces.schema import (
     DERIVED_FIELDS,
     FIELDS_BY_NAME,
@@ -97,20 +98,30 @@ class TraceWriter:
         save_logits: also store float32 logits [steps, L+1, V] of the committed positions (small V only);
             every record must then carry ``logits`` [tau, V], and model_config its vocab_size.
         compression: "gzip" (default), "lzf" or None.
+        lock: the output's OutputLock when the caller took it already (the writer then owns it); by default
+            the writer takes it. Either way it is held until close(): a second writer of ``path`` is refused.
     """
 
     def __init__(self, path: str | os.PathLike, run: RunMetadata, *, save_logits: bool = False,
-                 compression: Optional[str] = "gzip", force: bool = False):
+                 compression: Optional[str] = "gzip", force: bool = False, lock: Optional[OutputLock] = None):
         self.path = os.fspath(path)
-        mode, seed, self.dims = _run_shape(self.path, run.decode_config)
-        vocab_size = run.model_config.get("vocab_size")
-        if compression not in COMPRESSIONS:
-            raise TraceError(f"{self.path}: compression must be one of {COMPRESSIONS}, got {compression!r}")
-        if save_logits and (not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1):
-            raise TraceError(f"{self.path}: save_logits needs model_config's vocab_size (a positive integer), "
-                             f"got {vocab_size!r}")
-        if os.path.exists(self.path) and not force:
-            raise TraceError(f"{self.path}: file exists (pass force=True to overwrite it)")
+        self._file = None
+        self._lock = lock
+        try:
+            mode, seed, self.dims = _run_shape(self.path, run.decode_config)
+            vocab_size = run.model_config.get("vocab_size")
+            if compression not in COMPRESSIONS:
+                raise TraceError(f"{self.path}: compression must be one of {COMPRESSIONS}, got {compression!r}")
+            if save_logits and (not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1):
+                raise TraceError(f"{self.path}: save_logits needs model_config's vocab_size (a positive integer), "
+                                 f"got {vocab_size!r}")
+            self._check_target(force)
+            if self._lock is None:
+                self._lock = OutputLock(self.path)
+            self._check_target(force)  # again, now that no other recorder can make it
+        except BaseException:
+            self._release_lock()
+            raise
         self.save_logits = bool(save_logits)
         self.vocab_size = int(vocab_size) if isinstance(vocab_size, (int, np.integer)) else -1
         self.num_steps = 0
@@ -124,6 +135,17 @@ class TraceWriter:
             self._optional_keys |= {"draft_ids", "draft_logprobs"}
         self._last_write_time = math.nan
         try:
+            self._create_file(mode, seed, run, compression, force)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _check_target(self, force: bool) -> None:
+        if os.path.exists(self.path) and not force:
+            raise TraceError(f"{self.path}: file exists (pass force=True to overwrite it)")
+
+    def _create_file(self, mode: str, seed: int, run: RunMetadata, compression: Optional[str], force: bool) -> None:
+        try:
             self._file = h5py.File(self.path, "w" if force else "x", libver="latest")
         except (OSError, ValueError) as e:
             raise TraceError(f"{self.path}: cannot create trace file ({_first_line(e)})") from None
@@ -133,10 +155,17 @@ class TraceWriter:
             self._file.flush()
         except TraceError:
             self._file.close()
+            self._file = None
             raise
         except (OSError, ValueError, TypeError) as e:
             self._file.close()
+            self._file = None
             raise TraceError(f"{self.path}: cannot create the trace schema ({_first_line(e)})") from None
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _create_schema(self, mode: str, seed: int, run: RunMetadata, compression: Optional[str]) -> None:
         f, d = self._file, self.dims
@@ -320,6 +349,7 @@ class TraceWriter:
             self._file.close()
         finally:
             self._file = None
+            self._release_lock()
 
     def __enter__(self) -> "TraceWriter":
         return self

@@ -90,3 +90,34 @@ def test_status_and_end_time_are_stored_whole(tmp_path, how):
     with h5py.File(path, "r") as f:
         assert f.attrs.get_id("status").dtype.itemsize == 32
         assert f.attrs.get_id("end_time").dtype.itemsize == 32
+
+
+# -- defect 3: one recorder per output path --------------------------------------------------------------
+def test_a_second_writer_of_the_same_path_is_refused(tmp_path):
+    from kdspec.traces.lock import lock_path, recording_state
+    path = tmp_path / "t.h5"
+    records, output, golden = make_run(1, 2, 8, 7, 7)
+    with new_writer(path) as first:
+        assert recording_state(path) in ("starting", "recording")
+        with pytest.raises(TraceError, match="another recording") as excinfo:
+            new_writer(path, force=True)
+        assert "\n" not in str(excinfo.value)
+        for record in records:
+            first.write_step(record)
+        first.finish(output, golden)
+    assert recording_state(path) is None and not (tmp_path / lock_path("t.h5")).exists()
+    with open_trace(path) as reader:
+        assert reader.is_complete and reader.num_steps == 2
+    with new_writer(path, force=True) as again:  # the lock was given back
+        again.write_step(records[0])
+
+
+def test_a_lock_file_left_by_a_killed_recorder_is_taken_over(tmp_path):
+    from kdspec.traces.lock import lock_path, recording_state
+    path = tmp_path / "t.h5"
+    with open(lock_path(path), "w") as f:
+        f.write("999999999 recording\n")   # no such process
+    assert recording_state(path) is None
+    with new_writer(path) as writer:
+        writer.write_step(make_run(1, 1, 8, 7, 7)[0][0])
+    assert not (tmp_path / "t.h5.lock").exists()

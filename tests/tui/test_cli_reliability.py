@@ -100,3 +100,22 @@ def test_demo_does_not_overwrite_without_force(tmp_path, capsys, monkeypatch):
     assert cli.main(["demo", "--out", str(existing), "--no-tui", "--max-new-tokens", "4", "--force"]) == 0
     with open_trace(existing) as reader:
         assert reader.is_complete
+
+
+# -- defect 3 -----------------------------------------------------------------------------------------------
+def test_a_second_record_to_the_same_path_is_refused_while_the_first_runs(tmp_path, capsys):
+    out = tmp_path / "busy.h5"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_RECORD, "record", "--backend", "reference", "--mode", "ar",
+                             "--max-new-tokens", "40", "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        assert proc.stdout.readline().strip() == "1", proc.stderr.read()
+        code = cli.main(["record", "--backend", "reference", "--out", str(out), "--force"])
+        err = capsys.readouterr().err
+        assert code == 2 and "another recording" in err and len(err.strip().splitlines()) == 1, err
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    with open_trace(out) as reader:   # the first run's trace, whole
+        assert reader.is_complete and reader.metadata["mode"] == "ar" and len(reader.output_tokens) == 40
