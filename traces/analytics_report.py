@@ -1,0 +1,110 @@
+"""Reports of traces.analytics: the per-step "why this tau" and the whole-trace analytics as text (`kdtree info`)
+and as JSON-serialisable dicts (`kdtree info --json`)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from kdspec.traces.analytics import TraceAnalytics, WhyTau
+
+
+def why_json(why: WhyTau) -> dict[str, Any]:
+    return {k: getattr(why, k) for k in WhyTau.__dataclass_fields__}
+
+
+def why_text(why: WhyTau, token_text: Callable[[int], str] = str) -> str:
+    lines = [f"step {why.step}  tau {why.tau}  budget {why.budget}"]
+    if why.depth is None:
+        lines.append(f"stop       {why.reason}; bonus {token_text(why.token)}")
+    else:
+        lines.append(f"stop       depth {why.depth}: the target chose {token_text(why.token)}")
+        drafted = "no" if why.rank is None else f"rank {why.rank}, lp {why.logprob:+.3f} (p {math.exp(why.logprob):.3f})"
+        lines += [f"drafter    {drafted}", f"in tree    {'yes' if why.in_tree else 'no'}",
+                  f"budget     {'-' if why.budget_needed is None else why.budget_needed} needed"
+                  f" (recorded {why.budget})", f"why        {why.reason}"]
+    if not why.best_first:
+        lines.append("warning    the recorded tree is not the best-first build of its draft: budgets are estimates")
+    return "\n".join(lines)
+
+
+def analytics_json(a: TraceAnalytics) -> dict[str, Any]:
+    """JSON-serialisable analytics (NaN becomes None)."""
+    c, curve = a.calibration, a.curve
+    cost = None if curve.cost is None else {**asdict(curve.cost), "points": {str(int(k)): v for k, v in
+                                                                              curve.cost.points.items()}}
+    out = {
+        "num_steps": a.num_steps, "num_depths": a.num_depths, "draft_topk": a.draft_topk, "budget": a.budget,
+        "acceptance": {"reached": a.reached.tolist(), "conditional": a.conditional.tolist()},
+        "stops": a.stops,
+        "rank_histogram": {"ranks": list(range(a.draft_topk)) + ["absent"], "counts": a.rank_histogram.tolist()},
+        "calibration": {"count": c.count.tolist(), "stated": c.stated.tolist(), "measured": c.measured.tolist(),
+                        "bins": {"edges": c.bin_edges.tolist(), "count": c.bin_count.tolist(),
+                                 "stated": c.bin_stated.tolist(), "measured": c.bin_measured.tolist()},
+                        "ece": c.ece},
+        "budget_curve": {"budgets": curve.budgets, "mean_tau": curve.mean_tau, "mean_nodes": curve.mean_nodes,
+                         "step_seconds": curve.step_seconds, "tokens_per_second": curve.tokens_per_second,
+                         "best_budget": curve.best_budget, "cost_model": cost,
+                         "steps_not_best_first": curve.steps_not_best_first, "steps_checked": curve.steps_checked,
+                         "chain": {"mean_tau": curve.chain_mean_tau, "known_steps": curve.chain_known_steps,
+                                   "lower_bound_mean_tau": curve.chain_lower_bound,
+                                   "tokens_per_second": curve.chain_tokens_per_second}},
+    }
+    return json.loads(json.dumps(out, default=float).replace("NaN", "null"))
+
+
+def shown_budgets(budgets: list, best: Optional[int], most: int = 24) -> list:
+    """The budgets a table shows: all up to ``most``, else 0..8, powers of two, the last and the best."""
+    if len(budgets) <= most:
+        return list(budgets)
+    last = budgets[-1]
+    keep = set(range(min(9, last + 1))) | {2 ** k for k in range(last.bit_length()) if 2 ** k <= last} | {last}
+    if best is not None:
+        keep.add(best)
+    return sorted(keep)
+
+
+def analytics_text(a: TraceAnalytics) -> str:
+    """A few dozen lines for `kdtree info`."""
+    def pct(x):
+        return "  -  " if not np.isfinite(x) else f"{x:5.1%}"
+
+    lines = [f"analytics  {a.num_steps} steps, L {a.num_depths}, K {a.draft_topk}, B {a.budget}"]
+    if a.num_depths:
+        lines.append("accept d   " + "  ".join(f"{d}:{pct(r)}" for d, r in enumerate(a.reached, 1)))
+        lines.append("given d-1  " + "  ".join(f"{d}:{pct(r)}" for d, r in enumerate(a.conditional, 1)))
+        lines.append("stops      " + "  ".join(f"{k} {v}" for k, v in a.stops.items()))
+        lines.append("rank of the target's token per depth (" + " ".join(f"r{r}" for r in range(a.draft_topk))
+                     + " absent)")
+        lines += [f"  d {d:>2}    " + " ".join(f"{n:>4}" for n in row) for d, row in enumerate(a.rank_histogram, 1)]
+        c = a.calibration
+        lines.append(f"calibration ECE {c.ece:.3f} over {int(c.bin_count.sum())} forecasts (stated -> measured, n)")
+        lines += [f"  p {lo:.1f}-{hi:.1f}  {s:.3f} -> {m:.3f}  {n}" for lo, hi, s, m, n in
+                  zip(c.bin_edges[:-1], c.bin_edges[1:], c.bin_stated, c.bin_measured, c.bin_count) if n]
+    curve = a.curve
+    lines.append("budget     B'  mean tau  nodes  ms/step  tok/s" + ("" if curve.cost else "   (no verify times)"))
+    for i in shown_budgets(curve.budgets, curve.best_budget):
+        row = f"  {curve.budgets[i]:>10}  {curve.mean_tau[i]:8.3f}  {curve.mean_nodes[i]:5.1f}"
+        if curve.step_seconds is not None:
+            row += f"  {curve.step_seconds[i] * 1e3:7.3f}  {curve.tokens_per_second[i]:7.1f}"
+            row += "  <- best" if curve.budgets[i] == curve.best_budget else ""
+        lines.append(row)
+    if a.num_depths:
+        if curve.chain_mean_tau is None:
+            chain = f"unknown on every step (the tree lacks a chain node), at least {curve.chain_lower_bound:.3f}"
+        else:
+            chain = f"mean tau {curve.chain_mean_tau:.3f} on {curve.chain_known_steps}/{a.num_steps} steps"
+            if curve.chain_known_steps < a.num_steps:
+                chain += f" (the rest: the tree lacks a chain node; over all steps at least {curve.chain_lower_bound:.3f})"
+            if curve.chain_tokens_per_second is not None:
+                chain += f", {curve.chain_tokens_per_second:.1f} tok/s"
+        lines.append(f"chain      top-1 per depth (budget {a.num_depths}): {chain}")
+    if curve.cost is not None:
+        lines.append(f"cost       {curve.cost.source}: {curve.cost.note}")
+    if curve.steps_not_best_first:
+        lines.append(f"warning    {curve.steps_not_best_first} of {curve.steps_checked} checked steps' trees are not "
+                     "the best-first build of their draft: smaller budgets are estimates")
+    return "\n".join(lines)
