@@ -279,8 +279,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return code
 
 
+def wait_for_first_step(path: str, poll: float = 0.2) -> None:
+    """--follow of a recording that has not put its first step in place yet (the trace appears at its path
+    then; docs/trace-format.md): wait for it, saying so once on stderr."""
+    from kdspec.traces.lock import recording_state
+
+    if recording_state(path) != "starting":
+        return
+    _error_line(f"kdtree tui: waiting for the recording of {path} to write its first step (Ctrl-C stops)")
+    while recording_state(path) == "starting":
+        time.sleep(poll)
+
+
 def _cmd_tui(args: argparse.Namespace) -> int:
     from kdspec.kdtree_tui.app import run_app
+    if args.follow:
+        wait_for_first_step(args.trace)
     for path in (args.trace, args.compare):
         if path is not None and not os.path.exists(path):
             raise UsageError(f"{path}: no such file")

@@ -4,10 +4,16 @@ The whole schema is created before the first step, then the file switches to SWM
 (libver='latest', swmr_mode=True): a reader can follow the recording live, and after every step the file
 is flushed, so a crash or SIGKILL loses at most the step in flight. Each step is one row of the
 compound dataset ``steps`` in its own chunk, so a flushed step's bytes are never rewritten.
+
+Nothing at the output path changes until the recording has a step: every argument is checked first, the
+file is written as ``.NAME.recording-PID.h5`` beside it and renamed into place once the first step is
+flushed (or at ``finish`` of a run without steps). A recording that fails before that removes its
+temporary file, and a trace that was there stays.
 """
 from __future__ import annotations
 
 import datetime
+import glob
 import json
 import math
 import os
@@ -115,6 +121,10 @@ class TraceWriter:
             if save_logits and (not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1):
                 raise TraceError(f"{self.path}: save_logits needs model_config's vocab_size (a positive integer), "
                                  f"got {vocab_size!r}")
+            self.save_logits = bool(save_logits)
+            self.vocab_size = int(vocab_size) if isinstance(vocab_size, (int, np.integer)) else -1
+            self._compression = compression
+            prepared = self._prepare(mode, seed, run)   # every check before the output is touched
             self._check_target(force)
             if self._lock is None:
                 self._lock = OutputLock(self.path)
@@ -122,8 +132,10 @@ class TraceWriter:
         except BaseException:
             self._release_lock()
             raise
-        self.save_logits = bool(save_logits)
-        self.vocab_size = int(vocab_size) if isinstance(vocab_size, (int, np.integer)) else -1
+        self._force = force
+        directory, name = os.path.split(os.path.abspath(self.path))
+        self._temp_path = os.path.join(directory, f".{name}.recording-{os.getpid()}.h5")
+        self._in_place = False
         self.num_steps = 0
         self._row = self.dims.blank_row()
         self._blank = self._row.copy()
@@ -135,46 +147,33 @@ class TraceWriter:
             self._optional_keys |= {"draft_ids", "draft_logprobs"}
         self._last_write_time = math.nan
         try:
-            self._create_file(mode, seed, run, compression, force)
+            self._remove_stale_temporaries()
+            self._create_file(prepared)
         except BaseException:
+            self._remove_temporary()
             self._release_lock()
             raise
 
     def _check_target(self, force: bool) -> None:
         if os.path.exists(self.path) and not force:
             raise TraceError(f"{self.path}: file exists (pass force=True to overwrite it)")
+        if os.path.exists(self.path) and not os.path.isfile(self.path):
+            raise TraceError(f"{self.path}: not a regular file (a trace is written as a file and renamed into place)")
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(directory):
+            raise TraceError(f"{self.path}: no such directory {directory}")
 
-    def _create_file(self, mode: str, seed: int, run: RunMetadata, compression: Optional[str], force: bool) -> None:
-        try:
-            self._file = h5py.File(self.path, "w" if force else "x", libver="latest")
-        except (OSError, ValueError) as e:
-            raise TraceError(f"{self.path}: cannot create trace file ({_first_line(e)})") from None
-        try:
-            self._create_schema(mode, seed, run, compression)
-            self._file.swmr_mode = True
-            self._file.flush()
-        except TraceError:
-            self._file.close()
-            self._file = None
-            raise
-        except (OSError, ValueError, TypeError) as e:
-            self._file.close()
-            self._file = None
-            raise TraceError(f"{self.path}: cannot create the trace schema ({_first_line(e)})") from None
-
-    def _release_lock(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
-
-    def _create_schema(self, mode: str, seed: int, run: RunMetadata, compression: Optional[str]) -> None:
-        f, d = self._file, self.dims
+    def _prepare(self, mode: str, seed: int, run: RunMetadata) -> dict:
+        """The file's contents that do not depend on the steps, checked: attributes, prompt, vocabulary."""
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 64:
+            raise TraceError(f"{self.path}: seed must be an integer in 0..2^64-1, got {seed!r}")
         try:
             model_json = json.dumps(dict(run.model_config), sort_keys=True)
             decode_json = json.dumps(dict(run.decode_config), sort_keys=True)
             versions_json = json.dumps({**default_versions(), **dict(run.versions or {})}, sort_keys=True)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise TraceError(f"{self.path}: metadata is not JSON-serialisable ({_first_line(e)})") from None
+        d = self.dims
         # Every attribute exists before SWMR mode (no attribute may be created after it); finish() only
         # modifies values.
         attrs = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "status": _fixed("recording"),
@@ -183,14 +182,81 @@ class TraceWriter:
                  "decode_config": decode_json, "versions": versions_json,
                  "block_size": d.num_depths + 1, "num_depths": d.num_depths, "budget": d.budget,
                  "draft_topk": d.draft_topk, "target_topk": d.target_topk, "vocab_size": self.vocab_size,
-                 "save_logits": self.save_logits, "compression": str(compression),
+                 "save_logits": self.save_logits, "compression": str(self._compression),
                  "time_trace_write_last": math.nan, "tokenizer": str(run.tokenizer)}
-        for key, value in attrs.items():
-            f.attrs[key] = value
         prompt = _int32_tokens(self.path, "prompt_tokens", run.prompt_tokens)
-        f.create_dataset("prompt_tokens", data=prompt, dtype="<i4")
+        vocabulary = None
         if run.vocabulary is not None:
-            self._write_vocabulary(run.vocabulary, compression)
+            try:
+                pieces = [bytes(piece) for piece in run.vocabulary]
+            except (TypeError, ValueError) as e:
+                raise TraceError(f"{self.path}: vocabulary must be a sequence of bytes ({_first_line(e)})") from None
+            offsets = np.zeros(len(pieces) + 1, dtype="<i8")
+            offsets[1:] = np.cumsum([len(piece) for piece in pieces])
+            vocabulary = (offsets, np.frombuffer(b"".join(pieces), dtype=np.uint8))
+        return {"attrs": attrs, "prompt": prompt, "vocabulary": vocabulary}
+
+    def _create_file(self, prepared: dict) -> None:
+        try:
+            # we hold the lock: a temporary file of this name is a dead recording's of the same pid
+            self._file = h5py.File(self._temp_path, "w", libver="latest")
+        except (OSError, ValueError, RuntimeError) as e:
+            raise TraceError(f"{self.path}: cannot create trace file ({_first_line(e)})") from None
+        try:
+            self._create_schema(prepared)
+            self._file.swmr_mode = True
+            self._file.flush()
+        except (OSError, ValueError, TypeError, RuntimeError) as e:
+            self._file.close()
+            self._file = None
+            raise TraceError(f"{self.path}: cannot create the trace schema ({_first_line(e)})") from None
+
+    def _place(self) -> None:
+        """Rename the temporary file into place (its first step is flushed; the old trace goes now)."""
+        if self._in_place:
+            return
+        try:
+            self._check_target(self._force)
+            fd = os.open(self._temp_path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # the steps reach the disk before the rename drops the old trace
+            finally:
+                os.close(fd)
+            os.replace(self._temp_path, self.path)
+        except OSError as e:
+            raise TraceError(f"{self.path}: cannot put the trace in place ({e.strerror or _first_line(e)})") from None
+        self._in_place = True
+        self._lock.set_state("recording")
+
+    def _remove_temporary(self) -> None:
+        if not self._in_place:
+            try:
+                os.unlink(self._temp_path)
+            except OSError:
+                pass
+
+    def _remove_stale_temporaries(self) -> None:
+        """Temporary files of this output left by killed recorders (they hold no step: a step renames them)."""
+        directory = os.path.dirname(self._temp_path)
+        stem = f".{os.path.basename(self.path)}.recording-"
+        for stale in glob.glob(os.path.join(glob.escape(directory), glob.escape(stem) + "*.h5")):
+            try:
+                os.unlink(stale)
+            except OSError:
+                pass
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _create_schema(self, prepared: dict) -> None:
+        f, d, compression = self._file, self.dims, self._compression
+        for key, value in prepared["attrs"].items():
+            f.attrs[key] = value
+        f.create_dataset("prompt_tokens", data=prepared["prompt"], dtype="<i4")
+        if prepared["vocabulary"] is not None:
+            self._write_vocabulary(*prepared["vocabulary"])
         # One row per chunk: a flush writes only the new step's chunk, never an earlier one again.
         self._steps = f.create_dataset("steps", shape=(0,), maxshape=(None,), dtype=d.row_dtype(),
                                        chunks=(1,), compression=compression,
@@ -204,15 +270,11 @@ class TraceWriter:
                                             fillvalue=np.nan)
         for name in ("output_tokens", "golden_tokens"):
             f.create_dataset(name, shape=(0,), maxshape=(None,), dtype="<i4", chunks=(1024,))
-        self._compression = compression
 
-    def _write_vocabulary(self, vocabulary: Sequence[bytes], compression: Optional[str]) -> None:
+    def _write_vocabulary(self, offsets: np.ndarray, data: np.ndarray) -> None:
         """Token id i's bytes are vocab_bytes[vocab_offsets[i]:vocab_offsets[i + 1]] (flat: no vlen types)."""
-        pieces = [bytes(piece) for piece in vocabulary]
-        offsets = np.zeros(len(pieces) + 1, dtype="<i8")
-        offsets[1:] = np.cumsum([len(piece) for piece in pieces])
+        compression = self._compression
         self._file.create_dataset("vocab_offsets", data=offsets, compression=compression)
-        data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
         # HDF5 cannot compress an empty dataset (a vocabulary of empty tokens only)
         self._file.create_dataset("vocab_bytes", data=data, dtype="u1", compression=compression if len(data) else None)
 
@@ -241,6 +303,7 @@ class TraceWriter:
             self._file.flush()
         except (OSError, ValueError) as e:
             raise TraceError(f"{self.path}: writing step {index} failed ({_first_line(e)})") from None
+        self._place()
         self.num_steps = index + 1
         self._last_write_time = time.perf_counter() - start
 
@@ -336,19 +399,22 @@ class TraceWriter:
             self._file.flush()
         except (OSError, ValueError) as e:
             raise TraceError(f"{self.path}: finishing the trace failed ({_first_line(e)})") from None
+        self._place()  # a run without steps
         self.close()
 
     def close(self, status: Optional[str] = None) -> None:
-        """Close without finishing; the status stays "recording" unless given (e.g. "interrupted")."""
+        """Close without finishing; the status stays "recording" unless given (e.g. "interrupted"). A
+        recording without a step in place is dropped: its temporary file goes, what was at the path stays."""
         if self._file is None:
             return
         try:
-            if status is not None:
+            if status is not None and self._in_place:
                 self._file.attrs.modify("status", _fixed(status))
                 self._file.attrs.modify("end_time", _fixed(_now_iso()))
             self._file.close()
         finally:
             self._file = None
+            self._remove_temporary()
             self._release_lock()
 
     def __enter__(self) -> "TraceWriter":

@@ -26,6 +26,8 @@ MAX_BLOCK_SIZE = 32
 # B <= 1024: the device tree build keeps the tree in one block's shared memory (numba_kernels/tree/build.py
 # MAX_BUDGET).
 MAX_BUDGET = 1024
+# The noise hash keys on the seed as a uint64 (engine/golden/sampling.py).
+MAX_SEED = 2 ** 64 - 1
 
 
 def _check_int(name: str, value, low: int, high: Optional[int] = None, why: str = "") -> int:
@@ -70,12 +72,13 @@ class DecodeConfig:
         tree_low = 1 if self.mode == "ddtree" else 0  # 0: the AR shape of ``resolved``
         checked = dict(
             max_new_tokens=_check_int("max_new_tokens", self.max_new_tokens, 1),
-            block_size=_check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE,
+            # a DDTree step drafts at least one depth (block_size 1 is AR: mode "ar")
+            block_size=_check_int("block_size", self.block_size, 1 + tree_low, MAX_BLOCK_SIZE,
                                   "the compaction kernel moves at most 32 accepted rows a step"),
             budget=_check_int("budget", self.budget, tree_low, MAX_BUDGET,
                               "the device tree build holds at most 1024 nodes in one block's shared memory"),
             topk=None if self.topk is None else _check_int("topk", self.topk, tree_low),
-            seed=_check_int("seed", self.seed, 0))
+            seed=_check_int("seed", self.seed, 0, MAX_SEED, "the sampling noise keys on a 64-bit seed"))
         temperature = self.temperature
         if (isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating))
                 or not math.isfinite(temperature) or temperature < 0):

@@ -30,3 +30,11 @@ def test_bogus_weight_dtype_is_refused():
     for backend in ("reference", "auto"):
         with pytest.raises(ValueError, match="weight_dtype"):
             api.load("tiny", backend=backend, weight_dtype="bogus")
+
+
+@pytest.mark.parametrize("kwargs,needle", [(dict(mode="ddtree", block_size=1), "block_size must be an integer >= 2"),
+                                          (dict(seed=2 ** 64), "seed must be at most"),
+                                          (dict(seed=-1), "seed must be an integer >= 0")])
+def test_decode_settings_that_would_fail_mid_run_are_refused_up_front(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        DecodeConfig(4, **kwargs)

@@ -1,6 +1,8 @@
 """Trace reliability (issue 21): the writer and reader under misuse, damage, interruption and full disks."""
 from __future__ import annotations
 
+import os
+
 import h5py
 import numpy as np
 import pytest
@@ -121,3 +123,71 @@ def test_a_lock_file_left_by_a_killed_recorder_is_taken_over(tmp_path):
     with new_writer(path) as writer:
         writer.write_step(make_run(1, 1, 8, 7, 7)[0][0])
     assert not (tmp_path / "t.h5.lock").exists()
+
+
+# -- defect 2: a failed recording leaves what was there -----------------------------------------------------
+def leftovers(directory):
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(".") or p.name.endswith(".lock"))
+
+
+@pytest.mark.parametrize("how", ["failed", "interrupted", "no status", "exception"])
+def test_a_recording_that_fails_before_its_first_step_keeps_the_old_trace(tmp_path, how):
+    path = valid_trace(tmp_path / "t.h5")
+    before = path.read_bytes()
+    try:
+        with new_writer(path, force=True) as writer:
+            assert path.read_bytes() == before   # not touched until the first step is in place
+            if how == "exception":
+                raise RuntimeError("step 0 failed")
+            writer.close(None if how == "no status" else how)
+    except RuntimeError:
+        pass
+    assert path.read_bytes() == before and leftovers(tmp_path) == []
+
+
+def test_the_new_trace_replaces_the_old_at_its_first_step(tmp_path):
+    from kdspec.traces.lock import recording_state
+    path = valid_trace(tmp_path / "t.h5", steps=4)
+    records, output, golden = make_run(3, 2, 8, 7, 7)
+    with new_writer(path, force=True) as writer:
+        assert recording_state(path) == "starting"
+        with open_trace(path) as old:
+            assert old.num_steps == 4 and old.is_complete
+        old_inode = path.stat().st_ino
+        temporary = [p for p in leftovers(tmp_path) if p.endswith(".h5")]
+        assert temporary == [f".t.h5.recording-{os.getpid()}.h5"]
+        writer.write_step(records[0])
+        # the new recording is at the final name now (a reader in another process follows it live there:
+        # tests/traces/test_traces_crash.py; this process cannot open a file it is writing)
+        assert recording_state(path) == "recording" and path.stat().st_ino != old_inode
+        assert leftovers(tmp_path) == ["t.h5.lock"]
+        writer.write_step(records[1])
+        writer.finish(output, golden)
+    with open_trace(path) as reader:
+        assert reader.is_complete and reader.num_steps == 2 and check(reader)[0] == 0
+    assert leftovers(tmp_path) == []
+
+
+def test_a_run_without_steps_is_put_in_place_by_finish(tmp_path):
+    path = tmp_path / "t.h5"
+    with new_writer(path) as writer:
+        assert not path.exists()
+        writer.finish([5], [5])
+    with open_trace(path) as reader:
+        assert reader.is_complete and reader.num_steps == 0 and reader.output_tokens.tolist() == [5]
+
+
+def test_bad_metadata_is_refused_before_any_file_is_made(tmp_path):
+    from test_traces import MODEL_CONFIG, decode_config
+    from kdspec.traces import RunMetadata
+    path = valid_trace(tmp_path / "t.h5")
+    before = path.read_bytes()
+    bad_runs = [RunMetadata({**decode_config(8, 7, 7), "seed": 2 ** 64}, MODEL_CONFIG, "r", "c", [1]),
+                RunMetadata(decode_config(8, 7, 7), {"x": object()}, "r", "c", [1]),
+                RunMetadata(decode_config(8, 7, 7), MODEL_CONFIG, "r", "c", [2 ** 31]),
+                RunMetadata(decode_config(8, 7, 7), MODEL_CONFIG, "r", "c", [1], vocabulary=[b"a", "text"])]
+    for run in bad_runs:
+        with pytest.raises(TraceError) as excinfo:
+            TraceWriter(path, run, force=True)
+        assert "\n" not in str(excinfo.value)
+        assert path.read_bytes() == before and leftovers(tmp_path) == []

@@ -119,3 +119,68 @@ def test_a_second_record_to_the_same_path_is_refused_while_the_first_runs(tmp_pa
     assert proc.returncode == 0
     with open_trace(out) as reader:   # the first run's trace, whole
         assert reader.is_complete and reader.metadata["mode"] == "ar" and len(reader.output_tokens) == 40
+
+
+# -- defect 2 -----------------------------------------------------------------------------------------------
+def test_a_failed_record_with_force_keeps_the_old_trace(small_trace, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "old.h5"
+    out.write_bytes(small_trace.read_bytes())
+    before = out.read_bytes()
+    for flags in (["--block-size", "1"], ["--seed", str(2 ** 64)], ["--prompt-ids", "1,2,3000"]):
+        code = cli.main(["record", "--backend", "reference", "--out", str(out), "--force", *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, (flags, err)
+        assert out.read_bytes() == before, flags
+    from kdspec.traces import TraceError
+    from kdspec.traces.writer import TraceWriter
+
+    def failing_write(self, record):
+        raise TraceError(f"{self.path}: writing step 0 failed (disk full)")
+    monkeypatch.setattr(TraceWriter, "write_step", failing_write)
+    code = cli.main(["record", "--backend", "reference", "--out", str(out), "--force"])
+    assert code == 2 and "disk full" in capsys.readouterr().err
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.h5"]
+
+
+FIRST_STEP_LATER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from test_traces import make_run
+from test_reliability import new_writer
+records, output, golden = make_run(1, 2, 8, 7, 7)
+with new_writer(sys.argv[1], force=True) as writer:
+    print("open", flush=True)
+    sys.stdin.readline()
+    writer.write_step(records[0])
+    print("step", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_follow_waits_for_a_recordings_first_step(small_trace, tmp_path, capsys):
+    import threading
+    import time
+    out = tmp_path / "live.h5"
+    out.write_bytes(small_trace.read_bytes())   # an old trace there: the follower must not open it
+    proc = subprocess.Popen([sys.executable, "-c", FIRST_STEP_LATER, str(out), str(ROOT / "tests" / "traces")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        waiter = threading.Thread(target=cli.wait_for_first_step, args=(str(out), 0.05))
+        waiter.start()
+        time.sleep(0.5)
+        assert waiter.is_alive()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "step"
+        waiter.join(timeout=10)
+        assert not waiter.is_alive()
+        with open_trace(out) as reader:   # the new recording, live
+            assert reader.metadata["status"] == "recording" and reader.num_steps == 1
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert "waiting for the recording" in capsys.readouterr().err
