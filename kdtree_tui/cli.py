@@ -260,11 +260,45 @@ def _open_trace(path: str):
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from kdspec.traces import TraceError, info_json, info_text
+    from kdspec.traces.analytics_report import load_bench_rows, step_report, trace_report
+    try:
+        bench = load_bench_rows(args.bench) if args.bench else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     with _open_trace(args.trace) as reader:
         try:
-            print(json.dumps(info_json(reader), indent=2) if args.json else info_text(reader))
+            if args.step is not None:
+                print(step_report(reader, args.step, args.json))
+                return 0
+            text, data = trace_report(reader, bench)
+            print(json.dumps({**info_json(reader), "analytics": data}, indent=2) if args.json
+                  else info_text(reader) + "\n" + text)
+        except IndexError as e:
+            raise UsageError(str(e)) from None
         except TraceError as e:
             raise UsageError(str(e)) from None
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from kdspec.traces import TraceError
+    from kdspec.traces.export import export
+    if args.nodes and args.format == "perfetto":
+        raise UsageError("--nodes is for the row formats (jsonl, csv); perfetto exports the stage timings")
+    with _open_trace(args.trace) as reader:
+        try:
+            if args.out is None:  # a closed pipe (`| head`) ends the command quietly: main handles it
+                export(reader, args.format, sys.stdout, nodes=args.nodes)
+                return 0
+            try:
+                out = open(args.out, "w", newline="")
+            except OSError as e:
+                raise UsageError(f"{args.out}: cannot write ({e.strerror or e})") from None
+            with out:
+                count = export(reader, args.format, out, nodes=args.nodes)
+        except TraceError as e:
+            raise UsageError(str(e)) from None
+    _error_line(f"kdtree export: {count} {'events' if args.format == 'perfetto' else 'rows'} -> {args.out}")
     return 0
 
 
@@ -380,11 +414,20 @@ def _add_record(p: argparse.ArgumentParser) -> None:
 
 
 def _add_trace_commands(sub) -> None:
-    """info, check, tui: the commands that read a trace."""
-    p = sub.add_parser("info", help="summarise a trace")
+    """info, export, check, tui: the commands that read a trace."""
+    p = sub.add_parser("info", help="summarise a trace: metadata, acceptance, calibration, the budget curve")
     p.add_argument("trace")
     p.add_argument("--json", action="store_true", help="machine-readable summary")
+    p.add_argument("--step", type=int, metavar="N", help="why step N's tau was what it was (negative: from the end)")
+    p.add_argument("--bench", metavar="FILE", help="`kdtree bench --json` rows: measured verify times for the "
+                                                  "budget curve's cost model (default: fitted to the trace)")
     p.set_defaults(func=_cmd_info)
+    p = sub.add_parser("export", help="a trace as rows (jsonl / csv, per step or --nodes) or Perfetto JSON")
+    p.add_argument("trace")
+    p.add_argument("--format", choices=("jsonl", "csv", "perfetto"), default="jsonl")
+    p.add_argument("--nodes", action="store_true", help="one row per tree node instead of per step")
+    p.add_argument("--out", metavar="FILE", help="write here (default: stdout)")
+    p.set_defaults(func=_cmd_export)
     p = sub.add_parser("check", help="exit 0 when a trace is intact and equals the golden, 1 when it diverges, "
                                      "2 when unreadable")
     p.add_argument("trace")

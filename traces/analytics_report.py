@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kdspec.traces.analytics import TraceAnalytics, WhyTau
+from kdspec.traces.analytics import TraceAnalytics, WhyTau, analyze, why_tau
 
 
 def why_json(why: WhyTau) -> dict[str, Any]:
@@ -108,3 +108,32 @@ def analytics_text(a: TraceAnalytics) -> str:
         lines.append(f"warning    {curve.steps_not_best_first} of {curve.steps_checked} checked steps' trees are not "
                      "the best-first build of their draft: smaller budgets are estimates")
     return "\n".join(lines)
+
+
+def load_bench_rows(path: str) -> list:
+    """The rows of a `kdtree bench --json` file; ValueError (one line) when it is not such a file."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: not a `kdtree bench --json` file (a list of rows)")
+    return rows
+
+
+def step_report(reader, index: int, as_json: bool = False) -> str:
+    """`kdtree info TRACE --step N`: the step's "why this tau" (text, or JSON). IndexError for a step out of range."""
+    why = why_tau(reader.step(index), int(reader.dims.budget))
+    if as_json:
+        return json.dumps(why_json(why), indent=2)
+    byte_level = reader.metadata.get("tokenizer", "byte") == "byte"
+    return why_text(why, lambda t: f"{t} ({chr(t)!r})" if byte_level and 32 <= t < 127 else str(t))
+
+
+def trace_report(reader, bench_rows: Optional[list] = None) -> tuple[str, dict]:
+    """(text, JSON dict) of the whole-trace analytics, for `kdtree info`."""
+    analytics = analyze(reader, bench_rows)
+    return analytics_text(analytics), analytics_json(analytics)

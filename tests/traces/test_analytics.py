@@ -360,3 +360,35 @@ def test_counterfactual_tau_equals_the_recorded_tau_at_smaller_budgets(recording
                             assert counterfactual[i, why.budget_needed - 1] == tau
                             checked_why += 1
     assert shared >= 20 and differs >= 1 and checked_why >= 1, (shared, differs, checked_why)
+
+
+def test_kdtree_info_step_and_whole_trace_analytics(recordings, tmp_path, capsys):
+    import json
+
+    from kdspec.kdtree_tui.cli import main
+
+    path = str(recordings[1, 4])
+    with open_trace(path) as reader:
+        a = analyze(reader)
+        why = why_tau(reader.step(0), 4)
+    capsys.readouterr()
+    assert main(["info", path, "--step", "0"]) == 0
+    byte_text = lambda t: f"{t} ({chr(t)!r})" if 32 <= t < 127 else str(t)  # noqa: E731  (tiny is byte-level)
+    assert capsys.readouterr().out.strip() == why_text(why, byte_text)
+    assert main(["info", path, "--step", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(why_json(why)))
+    assert main(["info", path, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["analytics"]["budget_curve"]["mean_tau"] == pytest.approx(a.curve.mean_tau)
+    assert data["num_steps"] == a.num_steps  # the summary is still there
+    assert main(["info", path]) == 0
+    text = capsys.readouterr().out
+    assert "mean tau" in text and "calibration ECE" in text and "budget" in text
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps([{"metric": "DDTree verify step B=4 vs roofline", "value": 2.0, "unit": "ms"}]))
+    assert main(["info", path, "--bench", str(bench), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["analytics"]["budget_curve"]["cost_model"]["source"] == "bench"
+    bench.write_text("{not json")
+    assert main(["info", path, "--bench", str(bench)]) == 2
+    assert main(["info", path, "--step", "999"]) == 2
+    assert "out of range" in capsys.readouterr().err

@@ -134,3 +134,22 @@ def test_unknown_format_is_refused(trace):
     with pytest.raises(ValueError, match="format"):
         run_export(trace[0], "parquet")
     assert FORMATS == ("jsonl", "csv", "perfetto")
+
+
+def test_kdtree_export_command(trace, tmp_path, capsys):
+    from kdspec.kdtree_tui.cli import main
+
+    path, records = trace
+    out = tmp_path / "nodes.csv"
+    assert main(["export", str(path), "--format", "csv", "--nodes", "--out", str(out)]) == 0
+    with open(out, newline="") as f:
+        assert len(list(csv.DictReader(f))) == sum(len(r["tree_tokens"]) for r in records)
+    capsys.readouterr()
+    assert main(["export", str(path)]) == 0  # jsonl on stdout
+    assert [json.loads(line)["tau"] for line in capsys.readouterr().out.splitlines()] == \
+        [len(r["accepted_nodes"]) for r in records]
+    assert main(["export", str(path), "--format", "perfetto", "--out", str(tmp_path / "p.json")]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["traceEvents"]
+    assert main(["export", str(path), "--format", "perfetto", "--nodes"]) == 2
+    assert main(["export", str(path), "--out", str(tmp_path / "missing" / "x.jsonl")]) == 2
+    assert "cannot write" in capsys.readouterr().err
