@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -69,35 +69,29 @@ def info_json(reader: TraceReader) -> dict[str, Any]:
     }
 
 
+# Steps per read in check(): its memory stays bounded on long traces of wide trees.
+CHECK_BLOCK_STEPS = 4096
+
+
 def check(reader: TraceReader) -> tuple[int, str]:
     """(0, message) when the trace is complete, internally consistent and equal to the golden; else (1, why).
 
-    Consistency: the recorded output is the first token (step 0's root, from the prefill) followed by the
-    steps' committed tokens, cut inside the last step (it may overshoot max_new_tokens); each step
-    commits the tokens of its accepted nodes after the root, then its bonus token; the next step starts
-    at prefix_len + tau with that bonus as its root. Damage raises TraceError (the caller exits 2).
+    Consistency (``consistency_problem``): every step's tree, accepted path, committed tokens, cache lengths
+    and compaction moves agree; each step starts where the previous one ended; a difference measured
+    against the golden is finite. The recorded output is the first token (step 0's root, from the prefill)
+    followed by the steps' committed tokens, cut inside the last step (it may overshoot max_new_tokens).
+    Damage raises TraceError (the caller exits 2).
     """
     if not reader.is_complete:
         return 1, f"trace is not complete (status {reader.metadata.get('status')!r})"
+    problem = consistency_problem(reader)
+    if problem:
+        return 1, problem
     n = reader.num_steps
-    tau, prefix = reader.column("tau"), reader.column("prefix_len")
-    root, bonus = reader.column("root_token"), reader.column("bonus_token")
-    committed, golden = reader.field("committed_tokens"), reader.field("golden_tokens")
-    accepted, tree = reader.field("accepted_nodes"), reader.field("tree_tokens")
-    num_nodes = reader.column("num_nodes")
-    for i in range(n):
-        t = int(tau[i])
-        if accepted[i, 0] != 0 or (accepted[i, :t] < 0).any() or (accepted[i, :t] >= num_nodes[i]).any():
-            return 1, f"step {i}: accepted_nodes {accepted[i, :t].tolist()} is not a path of the step's tree"
-        path_tokens = tree[i][accepted[i, 1:t]]
-        if not np.array_equal(committed[i, :t - 1], path_tokens) \
-                or committed[i, t - 1] != bonus[i]:
-            return 1, f"step {i}: committed tokens are not the accepted path's tokens followed by the bonus token"
-        if i + 1 < n and (prefix[i + 1] != prefix[i] + t or root[i + 1] != bonus[i]):
-            return 1, f"step {i + 1}: does not continue step {i} (prefix_len {prefix[i + 1]} vs {prefix[i] + t}, " \
-                      f"root {root[i + 1]} vs bonus {bonus[i]})"
     output = reader.output_tokens
     if n:
+        tau, root = reader.column("tau"), reader.column("root_token")
+        committed = reader.field("committed_tokens")
         # The output is the prefill's token (step 0's root) then every step's committed tokens; the last
         # step may commit past max_new_tokens, so the output ends somewhere inside the last step's tokens.
         generated = generated_tokens(root, tau, committed)
@@ -105,13 +99,126 @@ def check(reader: TraceReader) -> tuple[int, str]:
         if not shortest <= len(output) <= len(generated) or not np.array_equal(output, generated[:len(output)]):
             return 1, (f"recorded output ({len(output)} tokens) differs from the steps' tokens ({len(generated)} "
                        f"tokens: the first token, then each step's committed tokens)")
+        stepped_golden = generated_tokens(root, tau, reader.field("golden_tokens"))[:len(output)]
+        recorded_golden = reader.golden_tokens
+        reached = stepped_golden >= 0
+        if len(recorded_golden) == len(output) and not np.array_equal(recorded_golden[reached], stepped_golden[reached]):
+            return 1, "recorded golden differs from the steps' golden tokens"
     s = reader.summary()
     if s.first_divergence_step is not None:
         i = s.first_divergence_step
-        j = int(np.argmax(committed[i] != golden[i]))
+        committed, golden = reader.field("committed_tokens", i, i + 1)[0], reader.field("golden_tokens", i, i + 1)[0]
+        j = int(np.argmax((committed != golden) & (golden >= 0)))
         return 1, (f"diverges from the golden at step {i}, position {j}: "
-                   f"token {committed[i, j]} vs golden {golden[i, j]}")
+                   f"token {committed[j]} vs golden {golden[j]}")
     if not s.golden_match:
         return 1, f"recorded output differs from the recorded golden ({len(s.golden_tokens)} tokens)"
     return 0, (f"ok: {len(output)} tokens in {n} steps equal the golden; worst |dlogit| {_fmt(s.max_logit_diff)}, "
                f"worst |dcache| {_fmt(s.max_cache_diff)}")
+
+
+def consistency_problem(reader: TraceReader) -> Optional[str]:
+    """Why the steps of a trace do not fit together (the first failing step's reason, one line), or None.
+
+    Per step: 1 <= N+1 <= B+1 nodes and 1 <= tau <= min(L+1, N+1); the tree's root is node 0 (parent -1,
+    depth 0, the root token) and every other node's parent an earlier node, one depth up; the accepted path
+    runs from the root down parent links; the committed tokens are the path's tokens after the root, then
+    the bonus, each the target's choice at the node before; cache lengths P, P+N+1, P+tau; the compaction
+    moves rows P+accepted[j] to P+j; a logit or cache difference measured against the golden (golden
+    token >= 0) is finite. Across steps: step 0 starts at the prompt's length, each next step at
+    prefix_len + tau with the bonus as its root. A trace without steps has at most the prefill's token.
+    """
+    n = reader.num_steps
+    if n == 0:
+        output = reader.output_tokens
+        return None if len(output) <= 1 else \
+            f"no step rows, yet the recorded output has {len(output)} tokens"
+    d = reader.dims
+    c = reader.fields(["tau", "num_nodes", "prefix_len", "root_token", "bonus_token", "cache_len_before",
+                       "cache_len_verify", "cache_len_after", "cache_max_abs_diff"])
+    tau, nodes, prefix = c["tau"], c["num_nodes"], c["prefix_len"]
+    bad: list[tuple[str, np.ndarray, Callable[[int], str]]] = []
+    bad_counts = (nodes < 1) | (nodes > d.node_width) | (tau < 1) | (tau > np.minimum(d.path_width, nodes))
+    bad.append(("counts", bad_counts, lambda i: f"step {i}: num_nodes {nodes[i]} / tau {tau[i]} out of range "
+                f"(1 <= num_nodes <= {d.node_width}, 1 <= tau <= min({d.path_width}, num_nodes))"))
+    start = np.concatenate([[len(reader.prompt_tokens)], prefix[:-1] + tau[:-1]])
+    follows = np.concatenate([[True], c["root_token"][1:] == c["bonus_token"][:-1]])
+    bad.append(("chain", (prefix != start) | ~follows, lambda i: (
+        f"step 0: prefix_len {prefix[0]} is not the prompt's length {len(reader.prompt_tokens)}" if i == 0 else
+        f"step {i}: does not continue step {i - 1} (prefix_len {prefix[i]} vs {start[i]}, root "
+        f"{c['root_token'][i]} vs bonus {c['bonus_token'][i - 1]})")))
+    for name, want in (("cache_len_before", prefix), ("cache_len_verify", prefix + nodes),
+                       ("cache_len_after", prefix + tau)):
+        got = c[name]
+        bad.append((name, got != want, lambda i, name=name, got=got, want=want:
+                    f"step {i}: {name} {got[i]} is not {int(want[i])}"))
+    blocks = [_block_problems(reader, lo, min(lo + CHECK_BLOCK_STEPS, n), c)
+              for lo in range(0, n, CHECK_BLOCK_STEPS)]
+    for kind, text in BLOCK_CHECKS:
+        mask = np.concatenate([b[kind][0] for b in blocks])
+        where = np.concatenate([b[kind][1] for b in blocks])
+        bad.append((kind, mask, lambda i, text=text, where=where: f"step {i}: {text.format(at=where[i])}"))
+    firsts = [(int(np.argmax(mask)), order) for order, (_, mask, _) in enumerate(bad) if mask.any()]
+    if not firsts:
+        return None
+    step, order = min(firsts)
+    return bad[order][2](step)
+
+
+# The per-step checks over the step fields (_block_problems): kind -> message ({at}: the failing node or
+# position).
+BLOCK_CHECKS = (
+    ("root", "node 0 is not the root (parent -1, depth 0, the root token)"),
+    ("parents", "node {at}'s parent is not an earlier node of the tree (tree_parents point back to the root)"),
+    ("depths", "node {at}'s depth is not its parent's plus one (tree_depths)"),
+    ("path", "accepted_nodes is not a root-to-node path of the step's tree (position {at})"),
+    ("committed", "committed tokens are not the accepted path's tokens followed by the bonus token"),
+    ("choice", "committed token {at} is not the target's choice at the accepted node before it (target_choice)"),
+    ("compact", "compaction moves are not rows P+accepted[j] -> P+j (position {at})"),
+    ("dlogit", "|dlogit| at position {at} is not finite though the golden was compared"),
+    ("dcache", "|dcache| is not finite though the golden cache was compared"),
+)
+
+
+def _block_problems(reader: TraceReader, lo: int, hi: int, c: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """For steps [lo, hi): {kind: (bad [hi-lo] bool, where [hi-lo] int: the first bad node / position)}."""
+    f = reader.fields(["tree_parents", "tree_depths", "tree_tokens", "target_choice", "accepted_nodes",
+                       "committed_tokens", "golden_tokens", "logit_max_abs_diff", "compact_src", "compact_dst"],
+                      lo, hi)
+    tau, nodes, prefix = c["tau"][lo:hi, None], c["num_nodes"][lo:hi, None], c["prefix_len"][lo:hi, None]
+    parents, depths = f["tree_parents"].astype(np.int64), f["tree_depths"].astype(np.int64)
+    width, path_width = parents.shape[1], f["accepted_nodes"].shape[1]
+    node, pos = np.arange(width)[None, :], np.arange(path_width)[None, :]
+    is_node, on_path = node < nodes, pos < tau
+    rows = np.arange(hi - lo)[:, None]
+    out = {}
+    root_ok = (parents[:, 0] == -1) & (depths[:, 0] == 0) & (f["tree_tokens"][:, 0] == c["root_token"][lo:hi])
+    out["root"] = (~root_ok, np.zeros(hi - lo, np.int64))
+    later = is_node & (node > 0)
+    out["parents"] = _first_bad(later & ~((parents >= 0) & (parents < node)))
+    parent_depth = depths[rows, np.clip(parents, 0, width - 1)]
+    out["depths"] = _first_bad(later & (depths != parent_depth + 1))
+    accepted = f["accepted_nodes"].astype(np.int64)
+    safe = np.clip(accepted, 0, width - 1)
+    previous = np.concatenate([np.full((hi - lo, 1), -1), accepted[:, :-1]], axis=1)
+    linked = np.where(pos == 0, accepted == 0,
+                      (accepted > 0) & (accepted < nodes) & (parents[rows, safe] == previous))
+    out["path"] = _first_bad(on_path & ~linked)
+    # committed[j] is node accepted[j+1]'s token for j < tau-1, the bonus at j = tau-1
+    next_token = f["tree_tokens"][rows, np.clip(np.concatenate([accepted[:, 1:], accepted[:, -1:]], axis=1), 0,
+                                                width - 1)]
+    expected = np.where(pos == tau - 1, c["bonus_token"][lo:hi, None], next_token)
+    out["committed"] = _first_bad(on_path & (f["committed_tokens"] != expected))
+    out["choice"] = _first_bad(on_path & (f["target_choice"][rows, safe] != f["committed_tokens"]))
+    moves = (f["compact_src"] != prefix + accepted) | (f["compact_dst"] != prefix + pos)
+    out["compact"] = _first_bad(on_path & moves)
+    measured = on_path & (f["golden_tokens"] >= 0)
+    out["dlogit"] = _first_bad(measured & ~np.isfinite(f["logit_max_abs_diff"]))
+    cache_measured = f["golden_tokens"][:, 0] >= 0
+    out["dcache"] = (cache_measured & ~np.isfinite(c["cache_max_abs_diff"][lo:hi]), np.zeros(hi - lo, np.int64))
+    return out
+
+
+def _first_bad(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(any bad per row [R], index of the first bad column per row [R]) of a bool [R, W] mask."""
+    return mask.any(axis=1), np.argmax(mask, axis=1)

@@ -92,10 +92,9 @@ def cache_max_abs_diff(cache, golden_cache, start: int, stop: int) -> float:
     stop = min(stop, golden_cache.length)
     if stop <= start:
         return float("nan")
-    worst = 0.0
-    for ours, theirs in zip(cache.c + cache.k_pe, golden_cache.c + golden_cache.k_pe):
-        worst = max(worst, float(np.max(np.abs(_host(ours[start:stop]) - np.asarray(theirs[start:stop])))))
-    return worst
+    worst = [float(np.max(np.abs(_host(ours[start:stop]) - np.asarray(theirs[start:stop]))))
+             for ours, theirs in zip(cache.c + cache.k_pe, golden_cache.c + golden_cache.k_pe)]
+    return float(np.max(worst))  # np.max, not max(): a NaN difference must stay NaN
 
 
 def golden_agreement(logits: np.ndarray, positions: np.ndarray, prompt_len: int, golden):

@@ -38,3 +38,15 @@ def test_bogus_weight_dtype_is_refused():
 def test_decode_settings_that_would_fail_mid_run_are_refused_up_front(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         DecodeConfig(4, **kwargs)
+
+
+def test_a_nan_cache_difference_is_not_dropped():
+    """records.cache_max_abs_diff: NaN rows give NaN (Python's max() dropped them: all-NaN weights read 0.0)."""
+    from types import SimpleNamespace
+    from kdspec.engine.decode.records import cache_max_abs_diff
+    ours = SimpleNamespace(c=[np.zeros((4, 2)), np.full((4, 2), np.nan)], k_pe=[np.zeros((4, 2))] * 2, length=4)
+    theirs = SimpleNamespace(c=[np.zeros((4, 2))] * 2, k_pe=[np.zeros((4, 2))] * 2, length=4)
+    assert math.isnan(cache_max_abs_diff(ours, theirs, 0, 4))
+    ours.c[1] = np.ones((4, 2))
+    assert cache_max_abs_diff(ours, theirs, 0, 4) == 1.0
+    assert math.isnan(cache_max_abs_diff(ours, theirs, 4, 4))   # no row compared

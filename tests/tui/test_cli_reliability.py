@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kdspec.kdtree_tui import cli
@@ -184,3 +185,20 @@ def test_follow_waits_for_a_recordings_first_step(small_trace, tmp_path, capsys)
     finally:
         proc.kill()
     assert "waiting for the recording" in capsys.readouterr().err
+
+
+# -- defect 6 -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_run_of_non_finite_weights_does_not_check_ok(tmp_path, capsys, value):
+    from kdspec.engine.model.checkpoint import load_model, save_model
+    cfg, weights = load_model("tiny")
+    save_model(tmp_path / "model", cfg, {k: np.full(v.shape, value, np.float32) for k, v in weights.items()})
+    out = tmp_path / "t.h5"
+    with np.errstate(all="ignore"):
+        assert cli.main(["record", "--model", str(tmp_path / "model"), "--backend", "reference",
+                         "--max-new-tokens", "8", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert cli.main(["check", str(out)]) == 1
+    assert "not finite" in capsys.readouterr().out
+    with open_trace(out) as reader:
+        assert np.isnan(reader.column("cache_max_abs_diff")).all()
