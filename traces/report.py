@@ -102,6 +102,9 @@ def check(reader: TraceReader) -> tuple[int, str]:
         stepped_golden = generated_tokens(root, tau, reader.field("golden_tokens"))[:len(output)]
         recorded_golden = reader.golden_tokens
         reached = stepped_golden >= 0
+        if not reached.all():   # -1 (not reached) is fine past the output only: the last step's overshoot
+            k = int(np.argmin(reached))
+            return 1, f"output token {k} has no golden token in its step (the golden run did not reach it)"
         if len(recorded_golden) == len(output) and not np.array_equal(recorded_golden[reached], stepped_golden[reached]):
             return 1, "recorded golden differs from the steps' golden tokens"
     s = reader.summary()

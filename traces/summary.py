@@ -20,9 +20,12 @@ class TraceSummary:
     num_steps; mean_tau (mean acceptance length incl. the root, NaN without steps);
     tau_histogram {tau: steps with that tau} for tau = 1..L+1;
     per_depth_acceptance {d: fraction of steps whose accepted path reached depth d (tau >= d+1)}, d = 1..L;
-    golden_match: every step's committed tokens equal its golden tokens, and (finished traces) the recorded
-    output equals the recorded golden; first_divergence_step: first step whose committed tokens differ
-    from its golden tokens, or None; max_logit_diff (NaN if never measured) at max_logit_diff_at
+    golden_match: every step's committed tokens equal its golden tokens where the golden reached (golden
+    token >= 0), and the output equals the golden: for finished traces the recorded output equals the
+    recorded golden, for unfinished ones every committed position has a golden token;
+    first_divergence_step: first step whose committed tokens differ from its golden tokens where the
+    golden reached (a -1 golden token: the golden run stopped short, e.g. at max_position_embeddings past
+    the output), or None; max_logit_diff (NaN if never measured) at max_logit_diff_at
     (step, position j within the step's committed tokens) or None; max_cache_diff (NaN if never measured);
     output_tokens / golden_tokens: the recorded ones of a finished trace, else the first token (step 0's
     root, from the prefill) followed by the steps' committed / golden tokens;
@@ -74,13 +77,15 @@ def summarize(num_depths: int, root: np.ndarray, tau: np.ndarray, committed: np.
     tau_histogram = {t: int(np.count_nonzero(tau == t)) for t in range(1, num_depths + 2)}
     per_depth = {d: (float(np.count_nonzero(tau >= d + 1)) / num_steps if num_steps else float("nan"))
                  for d in range(1, num_depths + 1)}
-    differs = ((np.asarray(committed) != np.asarray(golden)) & valid).any(axis=1)
+    reached = valid & (np.asarray(golden) >= 0)
+    differs = ((np.asarray(committed) != np.asarray(golden)) & reached).any(axis=1)
     first_divergence = int(np.argmax(differs)) if differs.any() else None
     finished = output_tokens is not None
     output = np.asarray(output_tokens, dtype=np.int64) if finished else generated_tokens(root, tau, committed)
     golden_out = np.asarray(golden_output, dtype=np.int64) if golden_output is not None else \
         generated_tokens(root, tau, golden)
-    golden_match = first_divergence is None and (not finished or np.array_equal(output, golden_out))
+    covered = np.array_equal(output, golden_out) if finished else bool((reached == valid).all())
+    golden_match = first_divergence is None and covered
 
     diffs = np.where(valid, np.asarray(logit_diff, dtype=np.float64), np.nan)
     if (~np.isnan(diffs)).any():

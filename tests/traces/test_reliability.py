@@ -266,7 +266,6 @@ def test_check_fails_a_trace_that_is_not_consistent(tmp_path, name):
     assert code == 1 and needle in message and "\n" not in message, message
 
 
-@pytest.mark.xfail(strict=True, reason="defect 5: the summary compares the overshoot with golden -1")
 def test_nan_differences_that_were_not_measured_pass(tmp_path):
     """-1 golden tokens (the golden run did not reach) mark NaN differences as not measured: not a failure
     past the recorded output (the last step's overshoot)."""

@@ -202,3 +202,14 @@ def test_a_run_of_non_finite_weights_does_not_check_ok(tmp_path, capsys, value):
     assert "not finite" in capsys.readouterr().out
     with open_trace(out) as reader:
         assert np.isnan(reader.column("cache_max_abs_diff")).all()
+
+
+# -- defect 5 -----------------------------------------------------------------------------------------------
+def test_check_agrees_with_record_when_the_last_step_reaches_max_position_embeddings(tmp_path, capsys):
+    """tiny (256 positions), prompt "The tree" (8): the last step's bonus lands past the golden's reach."""
+    out = tmp_path / "t.h5"
+    assert cli.main(["record", "--backend", "reference", "--max-new-tokens", "245", "--out", str(out)]) == 0
+    assert "equal to the golden" in capsys.readouterr().out
+    assert cli.main(["check", str(out)]) == 0, capsys.readouterr()
+    assert cli.main(["info", str(out)]) == 0
+    assert "tokens equal" in capsys.readouterr().out
