@@ -24,6 +24,7 @@ from kdspec.kdtree_tui.messages import ColumnsLoaded, StepLoaded
 from kdspec.kdtree_tui.palette import palette
 from kdspec.kdtree_tui.screens import GoToStepScreen, HelpScreen
 from kdspec.kdtree_tui.session import FIRST_ROWS, FLAG_NAMES, READ_ROWS, Thresholds, TraceSession
+from kdspec.kdtree_tui.widgets.analytics_panel import AnalyticsPanel
 from kdspec.kdtree_tui.widgets.cache_panel import CachePanel
 from kdspec.kdtree_tui.widgets.compare_panel import ComparePanel
 from kdspec.kdtree_tui.widgets.logits_panel import LogitsPanel
@@ -33,7 +34,7 @@ from kdspec.kdtree_tui.widgets.tree_panel import TreePanel
 from kdspec.traces.schema import TraceError
 
 FOLLOW_INTERVAL = 0.5  # seconds between refresh() calls on a followed trace
-TABS = ("tree", "logits", "cache", "run", "compare")
+TABS = ("tree", "logits", "cache", "run", "compare", "analytics")
 READ_ERRORS = (TraceError, OSError, IndexError, KeyError, ValueError, RuntimeError)
 
 
@@ -60,6 +61,7 @@ class TraceApp(App[int]):
         Binding("3", "tab('cache')", "cache", show=False),
         Binding("4", "tab('run')", "run", show=False),
         Binding("5", "tab('compare')", "compare", show=False),
+        Binding("6", "tab('analytics')", "analytics", show=False),
         Binding("f", "toggle_follow", "follow", show=False),
         Binding("d", "toggle_theme", "theme"),
         Binding("question_mark", "help", "help", key_display="?"),
@@ -97,6 +99,8 @@ class TraceApp(App[int]):
                 if self.other is not None:
                     with TabPane("5 Compare", id="compare"):
                         yield ComparePanel(self.session, self.other, id="compare-panel")
+                with TabPane("6 Analytics", id="analytics"):
+                    yield AnalyticsPanel(self.session, id="analytics-panel")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -236,6 +240,7 @@ class TraceApp(App[int]):
         self.query_one(TreePanel).show(record, s.vocabulary, colours)
         self.query_one(LogitsPanel).show(record, s.vocabulary, colours, s.thresholds.dlogit)
         self.query_one(CachePanel).show(record, colours, s.thresholds.cache)
+        self.query_one(AnalyticsPanel).show_step(record)
 
     def redraw_run(self) -> None:
         if self.session.loaded:
@@ -369,7 +374,8 @@ class TraceApp(App[int]):
 
     def _flush_tab(self, tab: Optional[str]) -> None:
         """A step panel only re-renders while its tab is shown (set_text): bring the one shown up to date."""
-        panel = {"tree": TreePanel, "logits": LogitsPanel, "cache": CachePanel}.get(tab or "")
+        panel = {"tree": TreePanel, "logits": LogitsPanel, "cache": CachePanel,
+                 "analytics": AnalyticsPanel}.get(tab or "")
         if panel is not None:
             self.query_one(panel).flush()
 

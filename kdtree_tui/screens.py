@@ -15,7 +15,7 @@ HELP_ROWS = (
     ("g", "go to step N"),
     ("n / p", "next / previous anomaly (divergence, |dlogit|, low tau, cache)"),
     ("b / B", "toggle bookmark / next bookmark"),
-    ("1 2 3 4 5", "tree, logits, cache, run, compare view"),
+    ("1 2 3 4 5 6", "tree, logits, cache, run, compare, analytics view"),
     ("f", "follow a trace being recorded (on / off)"),
     ("d", "dark / light theme"),
     ("ctrl+p", "command palette: go to step, search text"),

@@ -102,10 +102,10 @@ def render_reliability(a: TraceAnalytics, colours: dict, width: int) -> Text:
     _wrapped(text, "  x: stated p; bar: measured rate; · stated (calibrated: the bar ends at its ·)", width,
              colours["muted"])
     ranks = min(a.draft_topk, 3)
-    text.append("   d" + "".join(f"{f'r{r} said→got':>13}" for r in range(ranks)) + "\n", style=colours["muted"])
+    text.append("   d" + "".join(f"{f'r{r} said→got':>12}" for r in range(ranks)) + "\n", style=colours["muted"])
     for d in range(a.num_depths):
         cells = [f"{c.stated[d, r]:.2f}→{c.measured[d, r]:.2f}" if c.count[d, r] else "-" for r in range(ranks)]
-        text.append(f"{d + 1:>4}" + "".join(f"{x:>13}" for x in cells) + "\n")
+        text.append(f"{d + 1:>4}" + "".join(f"{x:>12}" for x in cells) + "\n")
     return text
 
 
@@ -142,8 +142,8 @@ def render_analytics(a: TraceAnalytics, colours: dict, width: int) -> Text:
     """Every whole-trace section, one after the other."""
     c = a.curve
     text = _wrapped(Text(), f"{a.num_steps} steps, L {a.num_depths}, K {a.draft_topk}, B {a.budget}; best budget "
-                    f"{'-' if c.best_budget is None else c.best_budget}; stops: "
-                    + ", ".join(f"{k} {v}" for k, v in a.stops.items()), width, colours["muted"])
+                    f"{'-' if c.best_budget is None else c.best_budget}", width, colours["muted"])
+    _wrapped(text, "stops: " + ", ".join(f"{k} {v}" for k, v in a.stops.items()), width, colours["muted"])
     for part in (render_acceptance(a, colours, width), render_tau_over_steps(a, colours, width),
                  render_rank_histogram(a, colours), render_reliability(a, colours, width),
                  render_budget_curve(a, colours, width)):
@@ -207,6 +207,8 @@ class AnalyticsPanel(TextPanel):
     def render_text(self) -> Text:
         colours = palette(self.app.current_theme.dark)
         width = self.scrollable_content_region.width or 76
+        if not self.show_vertical_scrollbar:  # the text is long: the scroll bar arrives with it
+            width -= self.styles.scrollbar_size_vertical
         text = Text()
         if self.record is not None:
             budget = int(self.session.metadata.get("budget", 0) or 0)

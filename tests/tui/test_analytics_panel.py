@@ -18,7 +18,7 @@ from kdspec.traces import open_trace
 from kdspec.traces.analytics import WhyTau, analyze
 
 COLOURS = palette(True)
-NARROW = 44   # the panel's text width at 80x24 (80 - the 34-column step list - padding and scroll bar)
+NARROW = 42   # the panel's text width at 80x24 (80 - the 34-column step list, border, padding, scroll bar)
 STEPS = 90
 
 
@@ -150,3 +150,46 @@ async def test_panel_computes_in_a_worker_and_follows_the_step(trace):
         await settle(app, pilot)
         assert panel.plain.startswith(f"step 5: tau {len(records[5]['accepted_nodes'])}")
         app.session.close()
+
+
+# ------------------------------------------------------------------------------------------- in the app (key 6)
+def make_run_before(step, *keys):
+    async def run_before(pilot):
+        app = pilot.app
+        await settle(app, pilot)
+        app.go_to(step)
+        await settle(app, pilot)
+        await pilot.press(*keys)
+        await settle(app, pilot)
+    return run_before
+
+
+@run_async
+async def test_key_6_opens_the_analytics_view_and_it_follows_the_cursor(trace):
+    from kdspec.kdtree_tui.app import TraceApp
+
+    path, records, analytics = trace
+    app = TraceApp(path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(app, pilot)
+        await pilot.press("6")
+        await settle(app, pilot)
+        panel = app.query_one(AnalyticsPanel)
+        assert app.query_one("#tabs").active == "analytics"
+        assert panel.analytics.curve.mean_tau == analytics.curve.mean_tau
+        assert panel.plain.startswith(f"step 0: tau {len(records[0]['accepted_nodes'])}")
+        await pilot.press("j", "j")
+        await settle(app, pilot)
+        assert panel.plain.startswith(f"step 2: tau {len(records[2]['accepted_nodes'])}")
+        assert "budget curve" in panel.plain
+        assert not panel.show_horizontal_scrollbar  # every line fits the panel at 80x24
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)], ids=["120x40", "80x24"])
+def test_snapshot_analytics_view(snap_compare, trace, size):
+    from test_tui_helpers import stable_opener
+
+    from kdspec.kdtree_tui.app import TraceApp
+
+    app = TraceApp(trace[0], opener=stable_opener)
+    assert snap_compare(app, terminal_size=size, run_before=make_run_before(4, "6"))
