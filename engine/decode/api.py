@@ -15,12 +15,13 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from kdspec.engine.decode.config import DecodeConfig
-from kdspec.engine.decode.drafters import parse_drafter
+from kdspec.engine.decode.drafters import BlockDrafter, parse_drafter
 from kdspec.engine.decode.loop import GenerateResult, check_prompt, generate
 from kdspec.engine.golden.model import GoldenRun, ReferenceModel, decode
 from kdspec.engine.golden.sampling import check_temperature
-from kdspec.engine.model.checkpoint import load_model, model_tokenizer
+from kdspec.engine.model.checkpoint import load_model, model_directory, model_tokenizer
 from kdspec.engine.model.config import ModelConfig
+from kdspec.engine.model.drafter import DRAFTER_DIR, DrafterError, load_drafter
 
 BACKENDS = ("reference", "sim", "cuda", "auto")
 WEIGHT_DTYPES = ("float32", "bfloat16")
@@ -103,6 +104,20 @@ class Engine:
         reach = min(run.max_new_tokens + run.block_size, self.cfg.max_position_embeddings - len(ids))
         return self.golden(ids, reach if run.mode == "ddtree" else run.max_new_tokens, run.temperature, run.seed)
 
+    def block_drafter(self, directory: Optional[str], top_k: int) -> BlockDrafter:
+        """The trained block drafter in ``directory`` (None: ``drafter/`` beside the model) for this target."""
+        if directory is None:
+            home = model_directory(self.source)
+            if home is None:
+                raise DrafterError(f"model {self.source!r} has no directory, so no drafter beside it: "
+                                   f"use dflash:DIR")
+            directory = home / DRAFTER_DIR
+        cfg, weights, digest = load_drafter(directory)
+        cfg.check_target(self.cfg)
+        lm_head = self.weights["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
+        return BlockDrafter(cfg, weights, self.weights["model.embed_tokens.weight"], lm_head, top_k, self.model,
+                            name=f"dflash:{directory}", digest=digest)
+
     def generate(self, prompt, config: DecodeConfig, *, drafter=None, golden: Union[None, bool, GoldenRun] = None,
                  on_step: Optional[Callable[[dict], None]] = None) -> GenerateResult:
         """Decode ``prompt`` (text or token ids) with the settings ``config`` (engine.decode.loop.generate).
@@ -113,15 +128,15 @@ class Engine:
         The result's ``meta`` gains backend, model, drafter and the golden run (key "golden").
         """
         ids = self.encode_prompt(prompt)
+        spec = None if drafter is not None or config.drafter is None else parse_drafter(config.drafter)
         run = golden if isinstance(golden, GoldenRun) else None
-        if run is None and (golden is True or (drafter is None and config.drafter is not None)):
+        if run is None and (golden is True or (spec is not None and spec.needs_golden)):
             run = self.golden_for(ids, config)
-        if drafter is None and config.drafter is not None:
+        if spec is not None:
             resolved = config.resolved(self.cfg.vocab_size)
-            drafter = parse_drafter(config.drafter).build(np.concatenate([np.asarray(ids, dtype=np.int64),
-                                                                          run.tokens]),
-                                                          resolved.num_depths, resolved.topk, self.cfg.vocab_size,
-                                                          config.seed)
+            drafter = (self.block_drafter(spec.path, resolved.topk) if spec.kind == "dflash" else
+                       spec.build(np.concatenate([np.asarray(ids, dtype=np.int64), run.tokens]),
+                                  resolved.num_depths, resolved.topk, self.cfg.vocab_size, config.seed))
         golden = None if golden is False else run
         result = generate(self.model, ids, config, drafter, golden=golden, on_step=on_step, tree_ops=self.tree_ops)
         name = config.drafter or (None if drafter is None else type(drafter).__name__)

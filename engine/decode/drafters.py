@@ -5,6 +5,10 @@ token b as the root at absolute position P = ``position``; row d-1 of the result
 Returns (ids int32 [L, K], logprobs float32 [L, K]), each row sorted descending by log-prob, ids distinct
 within a row.
 
+BlockDrafter is the trained one (DFlash-style, engine/model/drafter.py): it reads the target's hidden states of
+the committed rows, which the cache keeps for the layers the drafter names (``hidden_layers``); the loop passes
+the cache to ``draft`` as ``cache=`` for such a drafter.
+
 Oracle drafters know the golden sequence by absolute position (prompt followed by the golden continuation)
 and are how the DDTree loop is tested without a trained drafter: the oracle puts the golden token at rank 0
 (every step accepts the whole chain), the noisy oracle keeps it there only with probability p per position.
@@ -12,9 +16,13 @@ and are how the DDTree loop is tested without a trained drafter: the oracle puts
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from pathlib import Path
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
+
+from kdspec.engine.golden.drafter import draft_logits, log_softmax
+from kdspec.engine.model.drafter import DrafterConfig
 
 # Log-probs past the end of the golden sequence: far below every real candidate, so such nodes pop last.
 SENTINEL_LOGPROB = -40.0
@@ -138,12 +146,50 @@ class NoisyOracleDrafter(OracleDrafter):
         return np.asarray(row[:self.top_k], dtype=np.int32), _unsure_logprobs(self.top_k)
 
 
+def top_k_rows(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row the k largest log-probs, descending (ties -> the lower id): (ids int32 [L, k], float32 [L, k])."""
+    order = np.lexsort((np.broadcast_to(np.arange(logprobs.shape[1]), logprobs.shape), -logprobs), axis=-1)[:, :k]
+    return order.astype(np.int32), np.take_along_axis(logprobs, order, axis=-1).astype(np.float32)
+
+
+class BlockDrafter:
+    """The trained block drafter, by its float64 golden (engine/golden/drafter.py), on any backend: the
+    target's kept hidden states of rows 0..P-1 come from ``model.hidden_rows(cache, P)``.
+
+    Args:
+        cfg, weights: the drafter (engine/model/drafter.py load_drafter). embed, lm_head: the target's [V, d].
+        top_k: K candidates per depth. model: the target (for hidden_rows). name, digest: for the trace.
+    """
+
+    def __init__(self, cfg: DrafterConfig, weights: dict, embed: np.ndarray, lm_head: np.ndarray, top_k: int,
+                 model, name: str = "dflash", digest: str = ""):
+        if not 1 <= top_k <= embed.shape[0]:
+            raise ValueError(f"top_k must be in 1..vocab ({embed.shape[0]}), got {top_k}")
+        self.cfg, self.weights, self.embed, self.lm_head, self.model = cfg, weights, embed, lm_head, model
+        self.num_depths, self.top_k, self.name, self.digest = cfg.num_depths, int(top_k), name, digest
+        self.hidden_layers = cfg.target_layers
+
+    def draft(self, committed_tokens, bonus_token: int, position: int, cache=None) -> tuple[np.ndarray, np.ndarray]:
+        if cache is None:
+            raise ValueError("a block drafter reads the target's hidden states: draft(..., cache=the run's cache)")
+        hidden = self.model.hidden_rows(cache, position)
+        logits = draft_logits(self.cfg, self.weights, self.embed, self.lm_head, hidden, int(bonus_token))
+        return top_k_rows(log_softmax(logits), self.top_k)
+
+
 @dataclass(frozen=True)
 class DrafterSpec:
-    """A parsed drafter name: ``kind`` "oracle" | "noisy", ``p`` the noisy hit rate."""
+    """A parsed drafter name: ``kind`` "oracle" | "noisy" | "dflash"; ``p`` the noisy hit rate; ``path`` a
+    dflash drafter's directory (None: ``drafter/`` beside the model)."""
 
     kind: str
     p: float = 1.0
+    path: Optional[str] = None
+
+    @property
+    def needs_golden(self) -> bool:
+        """Whether the drafter reads the golden continuation (the oracles do; a trained drafter does not)."""
+        return self.kind != "dflash"
 
     def build(self, golden_tokens: Sequence[int], num_depths: int, top_k: int, vocab: int, seed: int = 0):
         """The drafter over the golden sequence by absolute position (prompt + golden continuation)."""
@@ -152,16 +198,26 @@ class DrafterSpec:
         return NoisyOracleDrafter(golden_tokens, self.p, seed, num_depths, top_k, vocab)
 
     def __str__(self) -> str:
+        if self.kind == "dflash":
+            return "dflash" if self.path is None else f"dflash:{self.path}"
         return "oracle" if self.kind == "oracle" else f"noisy:{self.p:g}"
 
 
 def parse_drafter(spec: str) -> DrafterSpec:
-    """"oracle" | "noisy:P" (P in [0, 1], the per-position rank-0 hit rate) -> DrafterSpec."""
+    """"oracle" | "noisy:P" (P in [0, 1], the per-position rank-0 hit rate) | "dflash" (the trained drafter
+    beside the model) | "dflash:DIR" -> DrafterSpec."""
     if not isinstance(spec, str):
-        raise ValueError(f"drafter must be a string like 'oracle' or 'noisy:0.6', got {spec!r}")
+        raise ValueError(f"drafter must be a string like 'oracle', 'noisy:0.6' or 'dflash', got {spec!r}")
     text = spec.strip().lower()
     if text == "oracle":
         return DrafterSpec("oracle")
+    if text == "dflash":
+        return DrafterSpec("dflash")
+    if text.startswith("dflash:"):
+        path = spec.strip()[len("dflash:"):]
+        if not path:
+            raise ValueError(f"drafter {spec!r}: dflash:DIR needs a directory")
+        return DrafterSpec("dflash", path=str(Path(path)))
     if text.startswith("noisy:"):
         try:
             p = float(text.split(":", 1)[1])
@@ -170,4 +226,5 @@ def parse_drafter(spec: str) -> DrafterSpec:
         if not 0.0 <= p <= 1.0:  # also rejects NaN
             raise ValueError(f"drafter {spec!r}: noisy hit rate must be a number in [0, 1]")
         return DrafterSpec("noisy", p)
-    raise ValueError(f"unknown drafter {spec!r}: expected 'oracle' or 'noisy:P' with P in [0, 1]")
+    raise ValueError(f"unknown drafter {spec!r}: expected 'oracle', 'noisy:P' with P in [0, 1], 'dflash' or "
+                     f"'dflash:DIR'")

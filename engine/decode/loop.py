@@ -20,8 +20,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from kdspec.engine.decode.config import DecodeConfig
-from kdspec.engine.decode.records import (GoldenCompare, OneNodeTree, StepOutcome, read_target,
-                                          step_record)
+from kdspec.engine.decode.records import GoldenCompare, OneNodeTree, StepOutcome, read_target, step_record
 from kdspec.engine.golden import ddtree as ddtree_ref
 from kdspec.engine.golden import sampling as sampling_ref
 from kdspec.traces.schema import STAGES
@@ -138,7 +137,9 @@ def generate(model, prompt_ids, config: DecodeConfig, drafter=None, *, golden=No
     # Rows for the committed tokens plus one tree; never more than positions exist (the reference refuses).
     capacity = min(len(prompt) + config.max_new_tokens + config.budget, cfg.max_position_embeddings,
                    max_rows or cfg.max_position_embeddings)
-    run = _Run(model, model.new_cache(capacity), tree_ops or ReferenceTreeOps(), prompt, config, drafter)
+    hidden_layers = tuple(getattr(drafter, "hidden_layers", ()) or ()) if config.mode == "ddtree" else ()
+    cache = model.new_cache(capacity, hidden_layers=hidden_layers) if hidden_layers else model.new_cache(capacity)
+    run = _Run(model, cache, tree_ops or ReferenceTreeOps(), prompt, config, drafter)
     logits = model.forward(run.cache, prompt, np.arange(len(prompt), dtype=np.int64))
     model.commit(run.cache, len(prompt))
     bonus = int(run.ops.choose_tokens(logits[-1:], config.temperature, config.seed, np.array([len(prompt)]))[0])
@@ -238,7 +239,9 @@ def _ddtree_step(run: _Run, tokens: list[int], after_forward: Callable[[], None]
     root = tokens[-1]
     with clock("draft"):
         committed_before = np.concatenate([run.prompt, np.asarray(tokens[:-1], dtype=np.int64)])
-        draft_ids, draft_logprobs = run.drafter.draft(committed_before, root, prefix_len)
+        # a drafter that names hidden layers reads them from the cache (the narrow interface of drafters.py)
+        context = {"cache": cache} if getattr(run.drafter, "hidden_layers", ()) else {}
+        draft_ids, draft_logprobs = run.drafter.draft(committed_before, root, prefix_len, **context)
     with clock("build"):
         # Near the end of the position range / cache, the tree is cut to what fits (never in the tests' runs).
         depth_limit = min(draft_ids.shape[0], model.cfg.max_position_embeddings - 1 - prefix_len)

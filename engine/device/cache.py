@@ -8,13 +8,18 @@ from kdspec.engine.model.config import ModelConfig
 
 
 class DeviceCache:
-    """The MLA cache on the device: kv [layers, capacity, c + r] float32, rows [normed latent | roped k_pe]."""
+    """The MLA cache on the device: kv [layers, capacity, c + r] float32, rows [normed latent | roped k_pe];
+    hidden [n, capacity, d] the kept hidden states (see engine/golden/model.py ReferenceCache)."""
 
-    def __init__(self, cfg: ModelConfig, capacity: int):
+    def __init__(self, cfg: ModelConfig, capacity: int, hidden_layers: tuple[int, ...] = ()):
         self.kv = cuda.device_array((cfg.num_hidden_layers, capacity, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
                                     dtype=np.float32)
         self.latent = cfg.kv_lora_rank
         self.length = 0
+        # The residual stream at hidden_layers of every row [n, capacity, d] (a block drafter's context); moved
+        # with the rows by compaction.
+        self.hidden_layers = tuple(hidden_layers)
+        self.hidden = cuda.device_array((len(self.hidden_layers), capacity, cfg.hidden_size), dtype=np.float32)
 
     @property
     def capacity(self) -> int:

@@ -19,7 +19,7 @@ from numba import cuda
 from kdspec.engine.device.cache import DeviceCache
 from kdspec.engine.device.logits import DeviceLogits
 from kdspec.engine.device.ops import SimOps, TorchOps
-from kdspec.engine.golden.model import rope_cos_sin, split_kv_b
+from kdspec.engine.golden.model import check_hidden_layers, rope_cos_sin, split_kv_b
 from kdspec.engine.model.config import ModelConfig
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.engine.model.weights import check_weights
@@ -62,6 +62,7 @@ class DeviceModel:
         self.use_graphs = backend == "cuda" and graphs
         self._graphs, self._shapes_seen = {}, {}
         self._causal_masks = {}  # s -> device mask; an AR step must not pay an upload (alloc + synced copy)
+        self.hidden_layers: tuple[int, ...] = ()  # hidden states the current cache keeps (new_cache)
 
     def _load_layer(self, weights, i: int) -> dict:
         cfg, ops = self.cfg, self.ops
@@ -101,10 +102,20 @@ class DeviceModel:
         return layer
 
     # -- model protocol ------------------------------------------------------------------------------
-    def new_cache(self, capacity: int) -> DeviceCache:
+    def new_cache(self, capacity: int, hidden_layers: tuple[int, ...] = ()) -> DeviceCache:
         if not isinstance(capacity, (int, np.integer)) or not 1 <= capacity <= self.max_cache_rows:
             raise ValueError(f"cache capacity must be in 1..{self.max_cache_rows}, got {capacity!r}")
-        return DeviceCache(self.cfg, int(capacity))
+        check_hidden_layers(self.cfg, hidden_layers)
+        hidden_layers = tuple(int(i) for i in hidden_layers)
+        if hidden_layers != self.hidden_layers:  # the captured segments copy the kept states out: capture anew
+            self.hidden_layers, self._graphs, self._shapes_seen = hidden_layers, {}, {}
+        return DeviceCache(self.cfg, int(capacity), hidden_layers)
+
+    def hidden_rows(self, cache: DeviceCache, stop: int) -> np.ndarray:
+        """The kept hidden states of rows 0..stop-1, copied to the host: float32 [n, stop, d]."""
+        rows = [self.ops.to_host(cache.hidden[slot, :stop]) for slot in range(len(cache.hidden_layers)) if stop]
+        return np.stack(rows) if rows else np.zeros((len(cache.hidden_layers), stop, self.cfg.hidden_size),
+                                                    np.float32)
 
     def forward(self, cache: DeviceCache, tokens, positions, visibility=None):
         """Logits float32 [s, V] for ``tokens`` at ``positions`` (cuda: DeviceLogits, left on the device;
@@ -146,6 +157,9 @@ class DeviceModel:
                 graphs.replay(k)
                 if k < len(self.layers):
                     self._attend(k, state, cache, mask)
+        start = cache.length
+        for slot in range(len(cache.hidden_layers)):
+            cache.hidden[slot, start:start + s].copy_to_device(state[("hidden", slot)])
         logits = state["logits"]
         if self.backend == "sim":  # no real device: records read the host array directly (the simulated
             return ops.to_host(logits)  # top-k kernel would cost seconds per step in Python)
@@ -204,6 +218,9 @@ class DeviceModel:
                      else self._dense_ffn(layer, normed, stream))
             weight = self.final_norm if k == len(self.layers) else self.layers[k]["input_norm"]
             normed = rmsnorm.add_rms_norm(delta, state["residual"], weight, eps, stream=stream)
+        for slot, index in enumerate(self.hidden_layers):
+            if index == k:  # the residual stream entering layer k (k = L: leaving the last one)
+                state[("hidden", slot)] = ops.copy(state["residual"])
         if k == len(self.layers):
             state["logits"] = ops.linear(normed, self.lm_head)
             return
@@ -250,6 +267,7 @@ class DeviceModel:
 
     def compact(self, cache: DeviceCache, accepted) -> None:
         accepted = np.asarray(accepted, dtype=np.int32)
-        kv_compact.compact_rows(cache.kv, np.array([cache.length], np.int32), accepted[None, :],
-                                np.array([len(accepted)], np.int32))
+        for rows in (cache.kv, cache.hidden) if cache.hidden_layers else (cache.kv,):
+            kv_compact.compact_rows(rows, np.array([cache.length], np.int32), accepted[None, :],
+                                    np.array([len(accepted)], np.int32))
         cache.length += len(accepted)

@@ -39,6 +39,9 @@ class SimOps:
     def to_host(self, x) -> np.ndarray:
         return np.array(self._host(x))
 
+    def copy(self, x):
+        return cuda.to_device(np.array(self._host(x)))
+
 
 class _Unsynced:
     """A device array's interface without its stream field (torch would otherwise wait on that stream)."""

@@ -58,3 +58,9 @@ def draft_logits(cfg: DrafterConfig, weights: dict, embed: np.ndarray, lm_head: 
         x = x + linear(o_lat.reshape(cfg.block_size, h * c), w("o_proj"))
         x = x + swiglu(rms_norm(x, w("post_norm"), eps), w("gate_proj"), w("up_proj"), w("down_proj"))
     return linear(rms_norm(x[1:], weights["norm.weight"], eps), lm_head)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64."""
+    shifted = f64(logits) - np.max(logits, axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))

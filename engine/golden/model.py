@@ -40,9 +40,9 @@ class ReferenceCache:
     """Per layer: latent rows c [capacity, c] and rope keys k_pe [capacity, r], float64.
 
     ``length`` rows are committed; ``in_flight`` rows after them were written by the last forward and wait
-    for commit() or compact(). ``hidden`` [n, capacity, d] keeps the hidden states at ``hidden_layers``
-    (transformers' numbering: i < layers is the residual stream entering layer i, i == layers the final normed
-    state) of every row, committed and compacted with the cache: what a block drafter reads.
+    for commit() or compact(). ``hidden`` [n, capacity, d] keeps the residual stream at ``hidden_layers`` of
+    every row (index i: the stream entering layer i; i == layers: the stream leaving the last layer, before the
+    final norm), committed and compacted with the cache: what a block drafter reads.
     """
 
     def __init__(self, cfg: ModelConfig, capacity: int, hidden_layers: tuple[int, ...] = ()):
@@ -124,9 +124,12 @@ class ReferenceModel:
             hx = rms_norm(x, lw["post_attention_layernorm.weight"], cfg.rms_norm_eps)
             x = x + (moe(cfg, hx, lw) if cfg.is_moe_layer(i) else dense_mlp(hx, lw))
         cache.in_flight = s
-        final = rms_norm(x, self.weights["model.norm.weight"], cfg.rms_norm_eps)
-        self._keep_hidden(cache, len(self.layers), final, start, end)
-        return linear(final, self.lm_head)
+        self._keep_hidden(cache, len(self.layers), x, start, end)
+        return linear(rms_norm(x, self.weights["model.norm.weight"], cfg.rms_norm_eps), self.lm_head)
+
+    def hidden_rows(self, cache: ReferenceCache, stop: int) -> np.ndarray:
+        """The kept hidden states of rows 0..stop-1: float64 [n, stop, d] (a copy)."""
+        return cache.hidden[:, :stop].copy()
 
     @staticmethod
     def _keep_hidden(cache: ReferenceCache, index: int, x: np.ndarray, start: int, end: int) -> None:

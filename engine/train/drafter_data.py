@@ -88,7 +88,7 @@ def greedy_generate(model, prompts: torch.Tensor, new_tokens: int, autocast: boo
 
 class LayerTaps:
     """Forward hooks keeping the residual stream after decoder layer i - 1 (i = 0: the embedding output) for
-    each i in ``layers`` (drafter_config.py: not the final-normed state)."""
+    each i in ``layers`` (engine/model/drafter.py: not the final-normed state)."""
 
     def __init__(self, model, layers: tuple[int, ...]):
         self.layers = layers

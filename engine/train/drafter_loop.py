@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kdspec.engine.model.drafter import WEIGHTS_FILE, DrafterConfig
 from kdspec.engine.model.safetensors_io import save_file
 
-from .drafter_config import WEIGHTS_FILE, DrafterConfig
 from .drafter_data import GeneratedSet, block_labels, build_sets, sample_anchors
 from .drafter_eval import DraftScores, bigram_chain_logprobs, bigram_table, format_summary
 from .drafter_model import BlockDrafter, bf16_state, block_loss, depth_weights, round_to_bf16
@@ -116,7 +116,7 @@ def drafter_chunks(model: BlockDrafter, gen: GeneratedSet, anchors: torch.Tensor
                    embed: torch.Tensor, lm_head: torch.Tensor, seqs_per_chunk: int, logits: bool = False):
     """(log-probs [n, L, V] float32, targets [n, L]) over the valid evaluation blocks, ``seqs_per_chunk``
     sequences at a time, in fp32 (raw logits instead of log-probs with ``logits``)."""
-    L = model.cfg.depths
+    L = model.cfg.num_depths
     for start in range(0, anchors.shape[0], seqs_per_chunk):
         idx = torch.arange(start, min(start + seqs_per_chunk, anchors.shape[0]), device=anchors.device)
         a, v = anchors[idx], valid[idx]
@@ -134,7 +134,7 @@ TEMPERATURES = tuple(float(t) for t in np.exp(np.linspace(np.log(0.5), np.log(4.
 def fit_temperature(model, gen, anchors, valid, embed, lm_head) -> tuple[float, dict]:
     """The softmax temperature T (a grid over 0.5..4, log-spaced) minimising the mean cross-entropy of the target's
     token over every depth of the validation blocks. T is folded into the model as norm.weight / T (the logits
-    are linear in it), so the drafter's forward (drafter_config.py) is unchanged."""
+    are linear in it), so the drafter's forward (engine/model/drafter.py) is unchanged."""
     temps = torch.tensor(TEMPERATURES, device=anchors.device, dtype=torch.float64)
     nll = torch.zeros_like(temps)
     count = 0
@@ -164,7 +164,7 @@ def quick_tau(model, gen, anchors, valid, embed, lm_head) -> float:
     """Chain tau on the validation blocks (fp32, the training run's matmul precision)."""
     was = model.training
     model.eval()
-    scores = DraftScores(model.cfg.depths, tree_blocks=0)
+    scores = DraftScores(model.cfg.num_depths, tree_blocks=0)
     for lp, tg in drafter_chunks(model, gen, anchors, valid, embed, lm_head, 16):
         scores.add(lp, tg)
     model.train(was)
@@ -191,7 +191,7 @@ def train_and_evaluate(cfg: DrafterConfig, recipe, target_dir: Path, data: Prepa
         f"{list(cfg.target_layers)}, gamma {recipe.gamma}")
     train, heldout_all = build_sets(
         target, data.train, data.heldout, recipe.train_sequences, recipe.val_sequences + recipe.heldout_sequences,
-        recipe.new_tokens, recipe.prompt_min, recipe.prompt_max, recipe.gen_batch, cfg.depths, cfg.target_layers,
+        recipe.new_tokens, recipe.prompt_min, recipe.prompt_max, recipe.gen_batch, cfg.num_depths, cfg.target_layers,
         seed, device, autocast=device.type == "cuda", time_budget=recipe.data_budget_s, log=log)
     val, heldout = heldout_all.rows(0, recipe.val_sequences), heldout_all.rows(recipe.val_sequences)
     summary = {"train": train.summary(), "validation": val.summary(), "heldout": heldout.summary(),
@@ -217,7 +217,7 @@ def train_and_evaluate(cfg: DrafterConfig, recipe, target_dir: Path, data: Prepa
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                                    {"params": rest, "weight_decay": 0.0}], lr=recipe.lr,
                                   betas=(recipe.beta1, recipe.beta2), fused=device.type == "cuda")
-    weights = depth_weights(cfg.depths, recipe.gamma, device)
+    weights = depth_weights(cfg.num_depths, recipe.gamma, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     result = DrafterResult(cfg, recipe, model, summary,
                            versions={"python": platform.python_version(), "torch": torch.__version__,
@@ -226,7 +226,7 @@ def train_and_evaluate(cfg: DrafterConfig, recipe, target_dir: Path, data: Prepa
     result.setup_seconds = time.perf_counter() - t_setup
 
     loss_sum = torch.zeros((), device=device)
-    ce_sum = torch.zeros(cfg.depths, device=device)
+    ce_sum = torch.zeros(cfg.num_depths, device=device)
     since, blocks_since = 0, 0
     start = time.perf_counter()
     last_eval = start
@@ -253,7 +253,7 @@ def train_and_evaluate(cfg: DrafterConfig, recipe, target_dir: Path, data: Prepa
             else:
                 evals_since_best += 1
             log(f"step {result.steps:6d} | {blocks_since / max(time.perf_counter() - last_eval, 1e-9):9,.0f} "
-                f"blocks/s | loss {point['train_loss']:.4f} | ce d1 {point['ce_per_depth'][0]:.3f} d{cfg.depths} "
+                f"blocks/s | loss {point['train_loss']:.4f} | ce d1 {point['ce_per_depth'][0]:.3f} d{cfg.num_depths} "
                 f"{point['ce_per_depth'][-1]:.3f} | lr {point['lr']:.2e} | validation tau {tau:.3f}"
                 f"{' (best)' if best else ''}")
             loss_sum.zero_()
@@ -277,7 +277,7 @@ def train_and_evaluate(cfg: DrafterConfig, recipe, target_dir: Path, data: Prepa
         width = int(anchors.max())
         ctx = train.hidden[seq, :width].float()
         bonus = train.tokens[seq[:, None], anchors]
-        labels = block_labels(train.tokens, seq, anchors, cfg.depths)
+        labels = block_labels(train.tokens, seq, anchors, cfg.num_depths)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             hidden = model(ctx, anchors, bonus, embed)
             loss, ce = block_loss(hidden, labels, lm_head, weights)
@@ -325,7 +325,7 @@ def train_and_evaluate(cfg: DrafterConfig, recipe, target_dir: Path, data: Prepa
 
 
 def _drafter_scores(model, heldout: GeneratedSet, anchors, valid, embed, lm_head, recipe) -> dict:
-    scores = DraftScores(model.cfg.depths, recipe.tree_blocks)
+    scores = DraftScores(model.cfg.num_depths, recipe.tree_blocks)
     for lp, tg in drafter_chunks(model, heldout, anchors, valid, embed, lm_head, 8):
         scores.add(lp, tg)
     return scores.report()
@@ -333,7 +333,7 @@ def _drafter_scores(model, heldout: GeneratedSet, anchors, valid, embed, lm_head
 
 def _final_scores(model, train: GeneratedSet, heldout: GeneratedSet, anchors, valid, embed, lm_head,
                   data: PreparedData, vocab: int, recipe, device) -> dict:
-    L = model.cfg.depths
+    L = model.cfg.num_depths
     pos = torch.arange(1, train.tokens.shape[1], device=device)[None, :]
     generated = (pos >= train.prompt_lengths[:, None]) & (pos < train.lengths[:, None])  # the pair's second token
     table_gen = bigram_table(train.tokens[:, :-1][generated], train.tokens[:, 1:][generated], vocab)

@@ -1,4 +1,4 @@
-"""The block drafter in torch (training side), batched over sequences and anchors; drafter_config.py states the math.
+"""The block drafter in torch (training side), batched over sequences and anchors; engine/model/drafter.py states the math.
 
 Batching: S sequences share their context rows; each has A anchors P (blocks). A block's L + 1 queries attend
 to the S-th sequence's context rows t < P (a [S, A, T] mask) and to the block's own rows, nothing else. The
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafter_config import DrafterConfig
+from kdspec.engine.model.drafter import DrafterConfig
 
 
 class RMSNorm(nn.Module):
@@ -78,7 +78,7 @@ class DrafterLayer(nn.Module):
         s_ctx = torch.matmul(q.reshape(S, A * J * h, c + r), ctx_k.transpose(1, 2)).view(S, A, J * h, T)
         s_blk = torch.matmul(q.reshape(S, A, J * h, c + r), blk_k.transpose(-1, -2))   # [S, A, J*h, J]
         s_ctx = s_ctx.float().masked_fill(~ctx_visible[:, :, None, :], float("-inf"))
-        p = torch.softmax(torch.cat((s_ctx, s_blk.float()), dim=-1) * cfg.scale, dim=-1).to(dtype)
+        p = torch.softmax(torch.cat((s_ctx, s_blk.float()), dim=-1) * cfg.softmax_scale, dim=-1).to(dtype)
         o = torch.matmul(p[..., :T].reshape(S, A * J * h, T), ctx_k[..., :c]).view(S, A, J * h, c) + \
             torch.matmul(p[..., T:], blk_k[..., :c])                            # [S, A, J*h, c]
         x = x + self.o_proj(o.reshape(S, A, J, h * c)).float()

@@ -6,7 +6,7 @@ argmax; the held-out stream gives the validation and evaluation sequences only (
 AdamW, linear warmup then cosine over the time budget, bf16 autocast, loss = cross-entropy at each drafted depth j
 weighted by exp(-(j - 1) / gamma) / sum; the best state by validation tau is kept and a softmax temperature
 fitted on validation is folded into norm.weight (drafter_loop.py). The output directory (``--out``) gets
-config.json (drafter_config.py), model.safetensors (bf16), manifest.json (recipe, data and target digests, loss
+config.json (engine/model/drafter.py), model.safetensors (bf16), manifest.json (recipe, data and target digests, loss
 curve, held-out metrics next to bigram baselines measured in the same run, versions, device) and train.log. Bad
 input prints one line on stderr and exits 2.
 
@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Optional
 
 from kdspec.engine.model.config import shipped_model_dir
+from kdspec.engine.model.drafter import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, DrafterConfig, DrafterError
 
-from .drafter_config import (CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, DrafterConfig, default_target_layers)
+from .drafter_config import default_target_layers
 from .errors import TrainError
 from .prepare import file_sha256, load_prepared
 
@@ -208,7 +209,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except TrainError as e:
+    except (TrainError, DrafterError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 

@@ -1,4 +1,4 @@
-"""The block drafter's torch forward against a float64 numpy reference written from drafter_config.py's text,
+"""The block drafter's torch forward against a float64 numpy reference written from engine/model/drafter.py's text,
 the anchor mask (a block never sees context rows >= P), the depth weights, and the tree-tau estimate."""
 import math
 
@@ -7,11 +7,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kdspec.engine.golden.layers import apply_rope, mla_attention_latent, rms_norm, silu  # noqa: E402
-from kdspec.engine.train.drafter_config import DrafterConfig  # noqa: E402
+from kdspec.engine.golden.drafter import draft_logits, log_softmax  # noqa: E402
+from kdspec.engine.model.drafter import DrafterConfig, DrafterError  # noqa: E402
 from kdspec.engine.train.drafter_eval import tree_tau  # noqa: E402
 from kdspec.engine.train.drafter_model import BlockDrafter, block_loss, depth_weights  # noqa: E402
-from kdspec.engine.train.errors import TrainError  # noqa: E402
 
 D, V = 32, 50
 
@@ -33,34 +32,9 @@ def random_drafter(cfg: DrafterConfig, seed=0) -> BlockDrafter:
 
 def reference_draft(w: dict, cfg: DrafterConfig, h_ctx: np.ndarray, bonus: int, embed: np.ndarray,
                     lm_head: np.ndarray) -> np.ndarray:
-    """float64 log-probs [L, V] of one block, straight from the spec: h_ctx [P, n*d] (rows 0..P-1)."""
-    P, L, J = h_ctx.shape[0], cfg.depths, cfg.block_size
-    h, c, r, eps = cfg.num_heads, cfg.latent_dim, cfg.rope_dim, cfg.rms_norm_eps
-    inv_freq = cfg.rope_theta ** (-np.arange(0, r, 2, dtype=np.float64) / r)
-
-    def cos_sin(positions):
-        angles = np.outer(np.asarray(positions, dtype=np.float64), inv_freq)
-        return np.cos(angles), np.sin(angles)
-
-    ctx_cs, blk_cs = cos_sin(np.arange(P)), cos_sin(P + np.arange(J))
-    f = rms_norm(h_ctx @ w["fc.weight"].T, w["fc_norm.weight"], eps)
-    x = np.stack([embed[bonus]] + [w["mask_embedding"]] * L).astype(np.float64)
-    for k in range(cfg.num_layers):
-        lw = {name[len(f"layers.{k}."):]: v for name, v in w.items() if name.startswith(f"layers.{k}.")}
-        a = rms_norm(x, lw["input_norm.weight"], eps)
-        q_lat = (a @ lw["q_lat.weight"].T).reshape(J, h, c)
-        q_pe = apply_rope((a @ lw["q_pe.weight"].T).reshape(J, h, r), *blk_cs)
-        ctx_kv, blk_kv = f @ lw["kv_ctx.weight"].T, a @ lw["kv.weight"].T
-        latent = rms_norm(np.concatenate([ctx_kv[:, :c], blk_kv[:, :c]]), lw["kv_norm.weight"], eps)
-        k_pe = np.concatenate([apply_rope(ctx_kv[:, c:], *ctx_cs), apply_rope(blk_kv[:, c:], *blk_cs)])
-        visible = np.ones((J, P + J), dtype=bool)
-        o_lat = mla_attention_latent(q_lat, q_pe, latent, k_pe, visible, (c + r) ** -0.5)
-        x = x + o_lat.reshape(J, h * c) @ lw["o_proj.weight"].T
-        m = rms_norm(x, lw["post_norm.weight"], eps)
-        x = x + (silu(m @ lw["gate_proj.weight"].T) * (m @ lw["up_proj.weight"].T)) @ lw["down_proj.weight"].T
-    logits = rms_norm(x[1:], w["norm.weight"], eps) @ lm_head.T
-    return logits - (np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
-                     + logits.max(-1, keepdims=True))
+    """float64 log-probs [L, V] of one block by the engine's golden (engine/golden/drafter.py): h_ctx [P, n*d]."""
+    hidden = h_ctx.reshape(h_ctx.shape[0], len(cfg.target_layers), cfg.hidden_size).transpose(1, 0, 2)
+    return log_softmax(draft_logits(cfg, w, embed, lm_head, hidden, bonus))
 
 
 def torch_logprobs(model, ctx, anchors, bonus, embed, lm_head):
@@ -145,10 +119,10 @@ def test_config_round_trip_and_bad_shapes(tmp_path):
     cfg = small_config()
     cfg.save(tmp_path)
     assert DrafterConfig.load(tmp_path) == cfg
-    assert cfg.to_dict()["architecture"] == "kdtree-dflash" and cfg.depths == 4
-    with pytest.raises(TrainError, match="block size"):
+    assert cfg.to_dict()["architecture"] == "kdtree-dflash" and cfg.num_depths == 4
+    with pytest.raises(DrafterError, match="block size"):
         small_config(block_size=1)
-    with pytest.raises(TrainError, match="increasing"):
+    with pytest.raises(DrafterError, match="increasing"):
         small_config(layers=(3, 2))
 
 

@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from kdspec.engine.model.drafter import DrafterConfig  # noqa: E402
 from kdspec.engine.model.safetensors_io import load_file  # noqa: E402
-from kdspec.engine.train.drafter_config import DrafterConfig  # noqa: E402
 from kdspec.engine.train.drafter_data import build_sets, usable_anchors  # noqa: E402
 from kdspec.engine.train.drafter_train import main  # noqa: E402
 from kdspec.engine.train.recipe import SMOKE  # noqa: E402
