@@ -26,6 +26,14 @@ class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (the usage itself is what --help shows)."""
+
+    def error(self, message: str):
+        _error_line(f"{self.prog}: error: {message} (see {self.prog} --help)")
+        sys.exit(2)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM during a recording, raised like Ctrl-C so that the trace is closed "interrupted" (exit 143)."""
 
@@ -113,10 +121,12 @@ def record_trace(model: str, out: str, prompt_ids: list[int], config, *, backend
     write every step to ``out``; returns a summary dict. Raises UsageError for anything the user can fix."""
     from kdspec.traces import TraceError
     from kdspec.traces.lock import OutputLock
+    from kdspec.traces.writer import check_output
 
     if os.path.exists(out) and not force:
         raise UsageError(f"{out} exists (pass --force to overwrite it)")
     try:  # before the model loads: a second recorder of ``out`` is told at once
+        check_output(out, force)
         lock = OutputLock(out)
     except TraceError as e:
         raise UsageError(str(e)) from None
@@ -335,20 +345,26 @@ def _cmd_tui(args: argparse.Namespace) -> int:
     return run_app(args.trace, compare=args.compare, follow=args.follow)
 
 
+DEMO_PROMPT = "def _get_loop(fut):\n"  # a held-out function header of pycoder-mini's corpus (asyncio/futures.py)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    backend = _select_backend("auto")
+    # the trained target and its trained drafter: on the GPU where there is one, else the float64 golden itself
+    # (pycoder-mini is small enough for the CPU; the simulator is for toy sizes)
+    backend = "cuda" if _gpu_visible() else "reference"
     from kdspec.engine.decode.config import DecodeConfig
 
     if args.out and os.path.lexists(args.out) and not args.force:
         raise UsageError(f"{args.out} exists (pass --force to overwrite it)")
     out = args.out or os.path.join(tempfile.mkdtemp(prefix="kdtree-demo-"), "demo.h5")
     try:
-        config = DecodeConfig(args.max_new_tokens, mode="ddtree", drafter="noisy:0.7", block_size=8, budget=16)
+        config = DecodeConfig(args.max_new_tokens, mode="ddtree", drafter="dflash", block_size=8, budget=32)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    print(f"recording a DDTree trace of `tiny` (noisy:0.7 drafter, budget 16) to {out} ...", file=sys.stderr)
-    prompt = _parse_prompt(argparse.Namespace(prompt_ids=None, prompt="Hello, tree!", model="tiny"))
-    summary = record_trace("tiny", out, prompt, config, backend=backend, force=args.force,
+    print(f"recording a DDTree trace of `pycoder-mini` (its trained dflash drafter, budget 32) to {out} ...",
+          file=sys.stderr)
+    prompt = _parse_prompt(argparse.Namespace(prompt_ids=None, prompt=DEMO_PROMPT, model="pycoder-mini"))
+    summary = record_trace("pycoder-mini", out, prompt, config, backend=backend, force=args.force,
                            progress=sys.stderr.isatty())
     print(f"recorded {summary['steps']} steps on {summary['backend']} ({summary['device']}), mean tau "
           f"{summary['mean_tau']:.2f}", file=sys.stderr)
@@ -376,7 +392,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kdtree",
         description="See inside DDTree speculative decoding: record step traces of an MLA+MoE engine, replay them.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -398,7 +414,8 @@ def _add_record(p: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--mode", choices=("ar", "ddtree"), default="ddtree")
-    p.add_argument("--drafter", help="oracle | noisy:P (ddtree only; default oracle)")
+    p.add_argument("--drafter", help="oracle | noisy:P | dflash (the trained drafter beside the model) | dflash:DIR "
+                                     "(ddtree only; default oracle)")
     p.add_argument("--block-size", type=int, default=8, help="bonus token + drafted depths L (default 8)")
     p.add_argument("--budget", type=int, default=7, help="tree node budget B (default 7)")
     p.add_argument("--topk", type=int, help="drafter top-K per depth (default min(B, V))")
@@ -440,8 +457,9 @@ def _add_trace_commands(sub) -> None:
 
 
 def _add_demo_and_bench(sub) -> None:
-    p = sub.add_parser("demo", help="record a short DDTree trace of `tiny` on the best backend and open it")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p = sub.add_parser("demo", help="record a DDTree trace of the trained pycoder-mini with its trained drafter "
+                                    "(on the GPU, else the CPU) and open it")
+    p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", help="where to write the trace (default: a temporary directory)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.add_argument("--no-tui", action="store_true", help="record only; print the trace path")
@@ -477,7 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status. A closed stdout pipe ends it quietly (BROKEN_PIPE_EXIT)."""
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help, --version, a usage error (one line already printed)
+            return e.code if isinstance(e.code, int) else 2
         try:
             code = args.func(args)
         except UsageError as e:
@@ -486,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt as e:
             _error_line(f"kdtree {args.command}: interrupted")
             return 143 if isinstance(e, Terminated) else 130
+        except MemoryError:
+            _error_line(f"kdtree {args.command}: error: out of memory (a smaller model, prompt or budget fits)")
+            return 2
         sys.stdout.flush()  # here, not at exit, where a closed pipe would print a traceback
         return code
     except BrokenPipeError:

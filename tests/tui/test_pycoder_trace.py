@@ -84,3 +84,13 @@ def test_snapshot_pycoder_logits_view(snap_compare, stable_trace):
         await pilot.press("2")
         await settle(pilot.app, pilot)
     assert snap_compare(TraceApp(stable_trace), terminal_size=SIZE, run_before=run_before)
+
+
+def test_demo_records_the_trained_target_with_its_trained_drafter(tmp_path):
+    out = tmp_path / "demo.h5"
+    assert cli.main(["demo", "--no-tui", "--out", str(out), "--max-new-tokens", "16"]) == 0
+    assert cli.main(["check", str(out)]) == 0
+    with open_trace(out) as reader:
+        assert reader.metadata["model_config"]["name"] == "pycoder-mini"
+        assert reader.metadata["decode_config"]["drafter"] == "dflash"
+        assert reader.metadata["tokenizer"] == "bpe" and reader.num_steps >= 1
