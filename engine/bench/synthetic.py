@@ -52,7 +52,7 @@ def _target_topk(rng: np.random.Generator, choice: np.ndarray, margin: np.ndarra
     ids = np.concatenate([choice[:, None], _distinct_others(rng, choice, TARGET_TOPK - 1)], axis=1)
     top = (8.0 + rng.random(n)).astype(np.float32)
     steps = np.cumsum(rng.random((n, TARGET_TOPK - 1)).astype(np.float32) * 0.5, axis=1)
-    rest = top[:, None] - margin[:, None] - steps
+    rest = top[:, None] - margin[:, None] - (steps - steps[:, :1])  # the runner-up exactly ``margin`` below
     return ids.astype(np.int32), np.concatenate([top[:, None], rest], axis=1).astype(np.float32)
 
 
@@ -97,8 +97,9 @@ def synthetic_records(num_steps: int, *, block_size: int = 8, budget: int = 16, 
                       prompt_len: int = 16, seed: int = 0, anomalies: bool = True) -> Iterator[dict]:
     """Yield ``num_steps`` DDTree step records (plain dicts of numpy arrays / scalars).
 
-    With ``anomalies``: every ANOMALY_PERIOD steps one golden divergence (a near-tie flip at the root,
-    margin 0.01), one large |dlogit| (0.5) and one cache mismatch (0.25); other steps stay at ~1e-6.
+    With ``anomalies``: every ANOMALY_PERIOD steps one golden divergence (a genuine near-tie flip at the root:
+    the golden token is the engine's runner-up, 1e-4 below its choice), one large |dlogit| (0.5) and one cache
+    mismatch (0.25); other steps stay at ~1e-6.
     """
     rng = np.random.default_rng(seed)
     prefix = prompt_len
@@ -115,8 +116,10 @@ def synthetic_records(num_steps: int, *, block_size: int = 8, budget: int = 16, 
         tau = len(accepted)
         margin = (0.5 + 4 * rng.random(tree.num_nodes)).astype(np.float32)
         if flip:
-            margin[0] = 0.01
+            margin[0] = 1e-4
         topk_ids, topk_logits = _target_topk(rng, choice, margin)
+        if flip:  # the golden token is the runner-up (distinct from the others: they are choice + 1..83)
+            topk_ids[0, 1] = passage_token(prefix + 1)
         golden = _golden_fields(rng, prefix, tau, phase, flip)
         times = rng.gamma(4.0, 1.0, size=5) * np.array([2e-4, 5e-5, 2e-3, 3e-5, 4e-5])
         outcome = StepOutcome(prefix, root, tree, None, choice, accepted, bonus,

@@ -6,17 +6,23 @@ from rich.text import Text
 
 from kdspec.kdtree_tui.session import Vocabulary, token_text
 from kdspec.kdtree_tui.widgets.panel import TextPanel
+from kdspec.traces.analytics import near_tie_verdict
 
 
-def verdict(engine: int, golden: int, dlogit: float, margin: float) -> tuple[str, str]:
-    """(word, palette key): a flip is a near-tie when the margin is within twice the logit error."""
-    if golden < 0:
-        return "no golden", "muted"
-    if engine == golden:
-        return "ok", "ok"
-    if np.isfinite(dlogit) and np.isfinite(margin) and margin <= 2 * dlogit:
+def verdict(engine: int, golden: int, topk_ids, topk_logits, dlogit: float, noise: float) -> tuple[str, str]:
+    """(word, palette key) from traces.analytics.near_tie_verdict: a flip is a near-tie only when the engine's own
+    logit gap between its token and the golden token is within ``noise`` (a golden token outside the engine's
+    top-k never is); within 2|dlogit| but above the noise the logits are off."""
+    v = near_tie_verdict(engine, golden, topk_ids, topk_logits, noise, dlogit)
+    if v.kind in ("no golden", "ok"):
+        return v.kind, "muted" if v.kind == "no golden" else "ok"
+    if v.kind == "near-tie":
         return "near-tie flip", "warn"
-    return "MISMATCH (margin > 2|dlogit|: a bug)", "bad"
+    if v.kind == "logit error":
+        return f"flip: logits off (gap {v.gap:.2g})", "bad"
+    if v.gap is None:
+        return "MISMATCH (golden not in top-k)", "bad"
+    return f"MISMATCH (gap {v.gap:.2g})", "bad"
 
 
 def render_logits(record, vocabulary: Vocabulary, colours: dict, dlogit_threshold: float) -> Text:
@@ -33,7 +39,8 @@ def render_logits(record, vocabulary: Vocabulary, colours: dict, dlogit_threshol
         engine, golden = int(record.committed_tokens[j]), int(record.golden_tokens[j])
         dlogit = float(record.logit_max_abs_diff[j])
         margin = float(record.target_margin[node])
-        word, key = verdict(engine, golden, dlogit, margin)
+        word, key = verdict(engine, golden, np.asarray(record.target_topk_ids)[node],
+                            np.asarray(record.target_topk_logits)[node], dlogit, 2 * dlogit_threshold)
         text.append(f"{record.prefix_len + 1 + j:>7} {node:>4}  ")
         text.append(f"{token_text(engine, vocabulary)!r:<7} ", style=colours["accepted"])
         text.append(f"{token_text(golden, vocabulary)!r:<7} " if golden >= 0 else f"{'-':<7} ")

@@ -193,3 +193,24 @@ def test_snapshot_analytics_view(snap_compare, trace, size):
 
     app = TraceApp(trace[0], opener=stable_opener)
     assert snap_compare(app, terminal_size=size, run_before=make_run_before(4, "6"))
+
+
+def test_logits_view_verdict_compares_the_golden_tokens_logit(trace):
+    """Step 7 of the synthetic trace is a genuine near-tie flip (the golden token is the engine's runner-up,
+    1e-4 below); the same flip with the golden token moved out of the engine's top-k is a mismatch, however
+    large |dlogit| is."""
+    import dataclasses
+
+    from kdspec.kdtree_tui.session import BYTES
+    from kdspec.kdtree_tui.widgets.logits_panel import render_logits
+
+    with open_trace(trace[0]) as reader:
+        record = reader.step(7)
+    assert int(record.committed_tokens[0]) != int(record.golden_tokens[0])
+    assert int(record.target_topk_ids[0, 1]) == int(record.golden_tokens[0])
+    assert "near-tie flip" in render_logits(record, BYTES, COLOURS, 1e-4).plain
+    ids = np.array(record.target_topk_ids)
+    ids[0, 1] = 1  # the golden token now outside the top-k
+    outside = dataclasses.replace(record, target_topk_ids=ids)
+    text = render_logits(outside, BYTES, COLOURS, 1e-4).plain
+    assert "near-tie" not in text and "MISMATCH (golden not in top-k)" in text
