@@ -15,9 +15,21 @@ from typing import Any, Iterable, Optional
 import h5py
 import numpy as np
 
-from kdspec.traces.schema import COLUMNS, FORMAT_NAME, SCHEMA_VERSION, STEP_FIELDS, TraceDims, TraceError
+from kdspec.traces.schema import COLUMNS, FORMAT_NAME, MODES, SCHEMA_VERSION, STEP_FIELDS, TraceDims, TraceError
 
 _JSON_ATTRS = ("model_config", "decode_config", "versions")
+_REQUIRED = object()
+# The root attributes the reader relies on (docs/trace-format.md): name -> (type, default when absent, or
+# _REQUIRED). Anything else in the file is passed through as found.
+ATTRIBUTES: dict[str, tuple[type, Any]] = {
+    "status": (str, _REQUIRED), "mode": (str, _REQUIRED), "backend": (str, _REQUIRED), "device": (str, _REQUIRED),
+    "seed": (int, _REQUIRED), "start_time": (str, _REQUIRED), "end_time": (str, _REQUIRED),
+    "model_config": (dict, _REQUIRED), "decode_config": (dict, _REQUIRED), "versions": (dict, _REQUIRED),
+    "block_size": (int, _REQUIRED), "num_depths": (int, _REQUIRED), "budget": (int, _REQUIRED),
+    "draft_topk": (int, _REQUIRED), "target_topk": (int, _REQUIRED), "save_logits": (bool, _REQUIRED),
+    "vocab_size": (int, -1), "compression": (str, "None"), "time_trace_write_last": (float, float("nan")),
+    "tokenizer": (str, "byte"),
+}
 # Rows per HDF5 read in column()/field()/fields(). HDF5 converts a compound field selection through a
 # buffer of whole rows (~2 KB each at budget 16), so reading 100k rows at once would peak at ~200 MB.
 BLOCK_ROWS = 8192
@@ -76,13 +88,20 @@ class TraceReader:
             metadata = self._read_metadata()
             self.metadata.clear()   # in place: callers may hold on to the dict across refresh()
             self.metadata.update(metadata)
-            self.dims = TraceDims(self.metadata["num_depths"], self.metadata["draft_topk"],
-                                  self.metadata["budget"], self.metadata["target_topk"])
-            self._steps = self._dataset("steps")
-            missing = [f.name for f in self.dims.fields() if f.name not in (self._steps.dtype.names or ())]
-            if missing:
-                raise TraceError(f"{self.path}: dataset 'steps' lacks fields {missing}")
-            self._logits = self._dataset("logits") if self.metadata["save_logits"] else None
+            try:
+                self.dims = TraceDims(self.metadata["num_depths"], self.metadata["draft_topk"],
+                                      self.metadata["budget"], self.metadata["target_topk"])
+            except TraceError as e:
+                raise TraceError(f"{self.path}: {e}") from None
+            if self.metadata["block_size"] != self.dims.num_depths + 1:
+                raise TraceError(f"{self.path}: attributes block_size {self.metadata['block_size']} and num_depths "
+                                 f"{self.dims.num_depths} disagree")
+            self._steps = self._dataset("steps", ndim=1)
+            self._check_step_fields()
+            self._logits = self._dataset("logits", ndim=3) if self.metadata["save_logits"] else None
+            if self._logits is not None and self._logits.shape[1] != self.dims.path_width:
+                raise TraceError(f"{self.path}: dataset 'logits' has {self._logits.shape[1]} rows a step, "
+                                 f"expected block_size {self.dims.path_width}")
             self.num_steps = self._count_steps()
         except TraceError:
             self.close()
@@ -104,20 +123,70 @@ class TraceReader:
             raise TraceError(f"{self.path}: invalid schema_version {version}")
         meta: dict[str, Any] = {}
         for key, value in attrs.items():
-            value = _attr_value(value)
-            meta[key] = json.loads(value) if key in _JSON_ATTRS else value
-        meta["prompt_tokens"] = self._dataset("prompt_tokens")[...].astype(np.int64)
+            meta[key] = _attr_value(value)
+        for key, (kind, default) in ATTRIBUTES.items():
+            if key not in meta:
+                if default is _REQUIRED:
+                    raise TraceError(f"{self.path}: attribute {key!r} is missing")
+                meta[key] = default
+                continue
+            meta[key] = self._typed(key, meta[key], kind)
+        if meta["mode"] not in MODES:
+            raise TraceError(f"{self.path}: attribute 'mode' must be one of {MODES}, got {meta['mode']!r:.40}")
+        meta["prompt_tokens"] = self._integers(self._dataset("prompt_tokens", ndim=1), "prompt_tokens")
         return meta
 
-    def _dataset(self, name: str) -> h5py.Dataset:
+    def _typed(self, key: str, value: Any, kind: type) -> Any:
+        """An attribute's value as ``kind`` (JSON objects parsed); TraceError naming it when it is not one."""
+        if kind is dict:
+            try:
+                value = json.loads(value) if isinstance(value, str) else None
+            except (ValueError, RecursionError):
+                value = None
+            if not isinstance(value, dict):
+                raise TraceError(f"{self.path}: attribute {key!r} is not a JSON object")
+            return value
+        if kind is bool and isinstance(value, (bool, np.bool_)):
+            return bool(value)
+        if kind is int and isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+            return int(value)
+        if kind is float and isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+        raise TraceError(f"{self.path}: attribute {key!r} must be a {kind.__name__}, got {type(value).__name__}")
+
+    def _check_step_fields(self) -> None:
+        """The ``steps`` row has every field of the declared widths, of the schema's kind of number."""
+        dtype = self._steps.dtype
+        if dtype.names is None:
+            raise TraceError(f"{self.path}: dataset 'steps' is not a table of step rows")
+        missing = [f.name for f in self.dims.fields() if f.name not in dtype.names]
+        if missing:
+            raise TraceError(f"{self.path}: dataset 'steps' lacks fields {missing}")
+        for f in self.dims.fields():
+            stored = dtype[f.name]
+            if stored.shape != self.dims.shape(f.kind) or stored.base.kind != np.dtype(f.dtype).kind:
+                raise TraceError(f"{self.path}: field {f.name!r} of 'steps' is {stored.base}{list(stored.shape)}, "
+                                 f"expected {np.dtype(f.dtype)}{list(self.dims.shape(f.kind))} (the trace's widths)")
+
+    def _integers(self, dataset: h5py.Dataset, name: str) -> np.ndarray:
+        values = self._read(dataset, ...)
+        if values.dtype.kind not in "iu":
+            raise TraceError(f"{self.path}: dataset {name!r} does not hold integers")
+        return values.astype(np.int64)
+
+    def _dataset(self, name: str, ndim: Optional[int] = None) -> h5py.Dataset:
         try:
             obj = self._file[name]
         except KeyError:
             raise TraceError(f"{self.path}: dataset {name!r} is missing") from None
-        except (OSError, RuntimeError) as e:
+        except (OSError, RuntimeError, ValueError) as e:
             raise TraceError(f"{self.path}: dataset {name!r} is damaged ({_first_line(e)})") from None
         if not isinstance(obj, h5py.Dataset):
             raise TraceError(f"{self.path}: {name!r} is not a dataset")
+        if ndim is not None and obj.ndim != ndim:
+            raise TraceError(f"{self.path}: dataset {name!r} has {obj.ndim} dimensions, expected {ndim}")
         return obj
 
     def _read(self, dataset: h5py.Dataset, selection, name=None):
@@ -166,6 +235,9 @@ class TraceReader:
             logits = np.array(self._read(self._logits, i)) if self._logits is not None else None
         row = rows[0]
         tau, num_nodes = int(row["tau"]), int(row["num_nodes"])
+        if not (1 <= num_nodes <= self.dims.node_width and 1 <= tau <= min(self.dims.path_width, num_nodes)):
+            raise TraceError(f"{self.path}: step {i}: num_nodes {num_nodes} / tau {tau} outside the trace's widths "
+                             f"(1..{self.dims.node_width} nodes, 1..min({self.dims.path_width}, num_nodes) tau)")
         values: dict[str, Any] = {"index": i}
         trims = {"scalar": (), "node": (slice(0, num_nodes),), "path": (slice(0, tau),),
                  "topk": (slice(0, num_nodes),), "draft": ()}
@@ -299,8 +371,11 @@ class TraceReader:
         self._check_open()
         if "vocab_offsets" not in self._file:
             return None
-        offsets = self._read(self._dataset("vocab_offsets"), slice(None)).astype(np.int64)
-        data = self._read(self._dataset("vocab_bytes"), slice(None)).tobytes()
+        offsets = self._integers(self._dataset("vocab_offsets", ndim=1), "vocab_offsets")
+        data = self._read(self._dataset("vocab_bytes", ndim=1), slice(None))
+        if data.dtype != np.uint8:
+            raise TraceError(f"{self.path}: dataset 'vocab_bytes' does not hold bytes")
+        data = data.tobytes()
         if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0) \
                 or offsets[-1] != len(data):
             raise TraceError(f"{self.path}: vocab_offsets do not index vocab_bytes")
@@ -310,13 +385,13 @@ class TraceReader:
     def output_tokens(self) -> np.ndarray:
         """The output recorded by finish() (empty while recording), int64."""
         self._check_open()
-        return self._read(self._dataset("output_tokens"), slice(None)).astype(np.int64)
+        return self._integers(self._dataset("output_tokens", ndim=1), "output_tokens")
 
     @property
     def golden_tokens(self) -> np.ndarray:
         """The golden tokens recorded by finish() (empty while recording or when none), int64."""
         self._check_open()
-        return self._read(self._dataset("golden_tokens"), slice(None)).astype(np.int64)
+        return self._integers(self._dataset("golden_tokens", ndim=1), "golden_tokens")
 
     def summary(self):
         """TraceSummary of the steps read so far (traces.summary)."""

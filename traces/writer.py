@@ -95,6 +95,18 @@ def _run_shape(path: str, decode_config: Mapping[str, Any]) -> tuple[str, int, T
     return mode, decode_config["seed"], dims
 
 
+def check_output(path: str, force: bool) -> None:
+    """TraceError unless a trace can be written at ``path``: its directory exists, and nothing is there (or,
+    with ``force``, a regular file, which the new trace replaces once it has a step)."""
+    if os.path.lexists(path) and not force:
+        raise TraceError(f"{path}: file exists (pass force=True to overwrite it)")
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise TraceError(f"{path}: not a regular file (a trace is written as a file and renamed into place)")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise TraceError(f"{path}: no such directory {directory}")
+
+
 class TraceWriter:
     """Write a trace to ``path``; use as a context manager, call ``write_step`` per step, then ``finish``.
 
@@ -155,13 +167,7 @@ class TraceWriter:
             raise
 
     def _check_target(self, force: bool) -> None:
-        if os.path.exists(self.path) and not force:
-            raise TraceError(f"{self.path}: file exists (pass force=True to overwrite it)")
-        if os.path.exists(self.path) and not os.path.isfile(self.path):
-            raise TraceError(f"{self.path}: not a regular file (a trace is written as a file and renamed into place)")
-        directory = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(directory):
-            raise TraceError(f"{self.path}: no such directory {directory}")
+        check_output(self.path, force)
 
     def _prepare(self, mode: str, seed: int, run: RunMetadata) -> dict:
         """The file's contents that do not depend on the steps, checked: attributes, prompt, vocabulary."""

@@ -185,16 +185,19 @@ def _tensor_files(directory: Path) -> dict[str, str]:
     if index_path.is_file():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: not a safetensors index ({type(e).__name__}: {e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError, OSError) as e:
+            raise CheckpointError(f"{index_path}: not a safetensors index ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names")
         for file_name in sorted(set(weight_map.values())):
             if not (directory / file_name).is_file():
                 raise CheckpointError(f"{index_path}: references missing shard {file_name}")
         return weight_map
+    if (directory / SINGLE_FILE).exists() and not (directory / SINGLE_FILE).is_file():
+        raise CheckpointError(f"{directory / SINGLE_FILE}: not a file")
     files = [SINGLE_FILE] if (directory / SINGLE_FILE).is_file() else \
-        sorted(p.name for p in directory.glob("*.safetensors"))
+        sorted(p.name for p in directory.glob("*.safetensors") if p.is_file())
     if not files:
         raise CheckpointError(f"{directory}: no {SINGLE_FILE}, {INDEX_FILE} or other *.safetensors file")
     names: dict[str, str] = {}
@@ -207,9 +210,25 @@ def _tensor_files(directory: Path) -> dict[str, str]:
     return names
 
 
+def _raw_config(directory: Path) -> dict:
+    """config.json as a dict (ModelConfig.from_json_file read it already: it is a JSON object)."""
+    return json.loads((directory / CONFIG_FILE).read_text())
+
+
+def _section(raw: dict, key: str, directory: Path) -> dict:
+    """A JSON-object field of config.json ({} when absent or null); CheckpointError when it is something else."""
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{directory / CONFIG_FILE}: {key} must be a JSON object, got {value!r:.60}")
+    return value
+
+
 def _fp8_block(directory: Path) -> tuple[int, int]:
-    raw = json.loads((directory / CONFIG_FILE).read_text())
-    quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+    raw = _raw_config(directory)
+    quant = _section(raw, "quantization_config", directory) or \
+        _section(_section(raw, "text_config", directory), "quantization_config", directory)
     block = quant.get("weight_block_size", FP8_BLOCK)
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
         raise CheckpointError(f"{directory / CONFIG_FILE}: quantization_config.weight_block_size must be two "
@@ -219,8 +238,8 @@ def _fp8_block(directory: Path) -> tuple[int, int]:
 
 def _mtp_layers(directory: Path, cfg: ModelConfig) -> set[str]:
     # DeepSeek-V3 ships its multi-token-prediction module as extra layers after the last one; not used here.
-    raw = json.loads((directory / CONFIG_FILE).read_text())
-    extra = (raw.get("text_config") or raw).get("num_nextn_predict_layers") or 0
+    raw = _raw_config(directory)
+    extra = (_section(raw, "text_config", directory) or raw).get("num_nextn_predict_layers") or 0
     return {f"model.layers.{cfg.num_hidden_layers + i}." for i in range(int(extra))}
 
 

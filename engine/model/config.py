@@ -203,6 +203,10 @@ class ModelConfig:
             raise ConfigError(f"{path}: no such file") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to be a model configuration") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read ({e.strerror or type(e).__name__})") from None
         return cls.from_hf_dict(raw, name=path.parent.name or "custom")
 
 

@@ -171,6 +171,8 @@ class SafetensorsFile:
             size = self.path.stat().st_size
         except OSError as e:
             raise SafetensorsError(f"{self.path}: cannot open ({e.strerror})") from None
+        if not self.path.is_file():
+            raise SafetensorsError(f"{self.path}: not a file")
         if size < 8:
             raise SafetensorsError(f"{self.path}: truncated: {size} bytes, shorter than the 8-byte header length")
         with open(self.path, "rb") as f:
@@ -181,8 +183,9 @@ class SafetensorsFile:
             raw_header = f.read(header_len)
             try:
                 header = json.loads(raw_header.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise SafetensorsError(f"{self.path}: header is not valid UTF-8 JSON ({e})") from None
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+                raise SafetensorsError(f"{self.path}: header is not valid UTF-8 JSON "
+                                       f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
             self.data_start = 8 + header_len
             self.tensors, self.metadata = _parse_header(self.path, header, size - self.data_start)
             # mmap of an empty data section is impossible; tensors are then all empty anyway.

@@ -213,3 +213,132 @@ def test_check_agrees_with_record_when_the_last_step_reaches_max_position_embedd
     assert cli.main(["check", str(out)]) == 0, capsys.readouterr()
     assert cli.main(["info", str(out)]) == 0
     assert "tokens equal" in capsys.readouterr().out
+
+
+# -- defect 9: one line, exit 2, for every bad input ----------------------------------------------------------
+def one_line_exit_2(capsys, argv):
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in captured.err, (argv, code, captured.err)
+    return lines[0]
+
+
+def bad_model_dir(tmp_path, kind):
+    """A model directory damaged one way (config.json nested deep, quantization_config a string, ...)."""
+    import json
+    from kdspec.engine.model.checkpoint import load_model, save_model
+    directory = tmp_path / kind
+    cfg, weights = load_model("tiny")
+    save_model(directory, cfg, weights)
+    config = json.loads((directory / "config.json").read_text())
+    if kind == "deep config":
+        (directory / "config.json").write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    elif kind == "deep list config":
+        (directory / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "quantization string":
+        (directory / "config.json").write_text(json.dumps({**config, "quantization_config": "fp8"}))
+    elif kind == "text_config string":
+        (directory / "config.json").write_text(json.dumps({**config, "quantization_config": None, "text_config": 3}))
+    elif kind == "safetensors directory":
+        (directory / "model.safetensors").unlink()
+        (directory / "model.safetensors").mkdir()
+    elif kind == "deep index":
+        (directory / "model.safetensors.index.json").write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    return directory
+
+
+@pytest.mark.parametrize("kind", ["deep config", "deep list config", "quantization string", "text_config string",
+                                  "safetensors directory", "deep index"])
+def test_a_damaged_model_directory_is_one_line(tmp_path, capsys, kind):
+    directory = bad_model_dir(tmp_path, kind)
+    one_line_exit_2(capsys, ["record", "--model", str(directory), "--backend", "reference",
+                             "--out", str(tmp_path / "t.h5")])
+    assert not (tmp_path / "t.h5").exists()
+    if "config" in kind:
+        one_line_exit_2(capsys, ["config", str(directory)])
+
+
+@pytest.mark.parametrize("flags", [["--budget", "1e8"], ["--budget", "100000000"], ["--block-size", "1e9"],
+                                   ["--block-size", "1000000000"], ["--prompt-ids", "9223372036854775808"],
+                                   ["--prompt-ids", "1,x"], ["--prompt", "caf\udce9 \udcff"],
+                                   ["--max-new-tokens", "99999999999999999999"], ["--seed", "-1"],
+                                   ["--temperature", "nan"], ["--drafter", "noisy:2"], ["--topk", "100000"],
+                                   ["--out", "/dev/null", "--force"], ["--out", "/no/such/dir/t.h5"]])
+def test_bad_record_flags_are_one_line(tmp_path, capsys, flags):
+    argv = ["record", "--backend", "reference", *flags]
+    if "--out" not in flags:
+        argv += ["--out", str(tmp_path / "t.h5")]
+    one_line_exit_2(capsys, argv)
+    assert not os.path.exists("/dev/null.lock") and not (tmp_path / "t.h5").exists()
+
+
+def test_running_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
+    from kdspec.engine.golden.model import ReferenceModel
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+    monkeypatch.setattr(ReferenceModel, "forward", no_memory)
+    line = one_line_exit_2(capsys, ["record", "--backend", "reference", "--out", str(tmp_path / "t.h5")])
+    assert "memory" in line and not (tmp_path / "t.h5").exists()
+
+
+def test_argparse_errors_are_one_line(capsys):
+    for argv in (["record", "--mode", "beam", "--out", "x"], ["record"], ["nosuchcommand"], ["info"],
+                 ["tui", "a", "b", "c"]):
+        line = one_line_exit_2(capsys, argv)
+        assert line.startswith("kdtree"), line
+
+
+def damaged_traces(source, directory):
+    """(name, path) of copies of ``source`` missing one attribute, with one of the wrong type, or with a dataset
+    of the wrong shape."""
+    import shutil
+    import h5py
+    with h5py.File(source, "r") as f:
+        attributes, datasets = list(f.attrs), list(f)
+    edits = []
+    for name in attributes:
+        edits.append((f"no {name}", lambda f, name=name: f.attrs.__delitem__(name)))
+        edits.append((f"{name} a list", lambda f, name=name: f.attrs.__setitem__(name, [1, 2])))
+        edits.append((f"{name} text", lambda f, name=name: f.attrs.__setitem__(name, "[1, 2]")))
+    for name in datasets:
+        def two_d(f, name=name):
+            data = f[name][...]
+            del f[name]
+            f[name] = np.stack([data, data])
+        def scalar(f, name=name):
+            del f[name]
+            f[name] = np.int32(3)
+        edits += [(f"{name} 2-D", two_d), (f"{name} scalar", scalar), (f"no {name}", lambda f, n=name: f.__delitem__(n))]
+    for label, edit in edits:
+        path = directory / (label.replace(" ", "_").replace(",", "") + ".h5")
+        shutil.copy(source, path)
+        with h5py.File(path, "r+") as f:
+            edit(f)
+        yield label, path
+
+
+def test_traces_missing_an_attribute_or_with_a_wrong_shaped_dataset_are_one_line(small_trace, tmp_path, capsys):
+    from kdspec.kdtree_tui.session import TraceSession
+    from kdspec.traces import TraceError
+    for label, path in damaged_traces(small_trace, tmp_path):
+        for argv in (["info", str(path)], ["info", "--json", str(path)], ["check", str(path)]):
+            code = cli.main(argv)
+            captured = capsys.readouterr()
+            assert code in (0, 1, 2) and len(captured.err.strip().splitlines()) <= 1, (label, argv, captured.err)
+            if label.startswith("no ") and label[3:] in ("mode", "status", "seed", "backend", "device", "start_time",
+                                                          "end_time", "steps", "prompt_tokens"):
+                assert code == 2, (label, argv)
+        try:
+            session = TraceSession(path)
+        except TraceError:
+            continue
+        try:
+            session.install(session.read_columns())
+            for i in range(session.num_steps):
+                session.step(i)
+        except TraceError:
+            pass
+        finally:
+            session.close()
