@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Optional
 
 import numpy as np
@@ -190,6 +190,11 @@ def _tensor_files(directory: Path) -> dict[str, str]:
                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names")
+        for file_name in sorted(set(weight_map.values())):
+            # lexically, not by resolving: a hub cache's shards are symlinks into a blobs folder beside it
+            parts = PurePath(file_name).parts
+            if not parts or PurePath(file_name).is_absolute() or ".." in parts:
+                raise CheckpointError(f"{index_path}: shard {file_name!r} lies outside the checkpoint directory")
         for file_name in sorted(set(weight_map.values())):
             if not (directory / file_name).is_file():
                 raise CheckpointError(f"{index_path}: references missing shard {file_name}")
