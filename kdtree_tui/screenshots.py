@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Optional
 
 import numpy as np
 
@@ -55,11 +56,12 @@ async def _shoot(app: TraceApp, keys, step: int, out: str) -> None:
         app.save_screenshot(os.path.basename(out), path=os.path.dirname(out))
 
 
-def write_screenshots(directory: str, trace: str, compare: str) -> list[str]:
-    """The SHOTS of ``trace`` (``compare`` beside it in the compare view) as SVG files in ``directory``."""
+def write_screenshots(directory: str, trace: str, compare: Optional[str], shots=SHOTS) -> list[str]:
+    """``shots`` ((file name, keys, step), ...) of ``trace`` (``compare`` beside it in the compare view) as SVG
+    files in ``directory``."""
     os.makedirs(directory, exist_ok=True)
     written = []
-    for name, keys, step in SHOTS:
+    for name, keys, step in shots:
         app = TraceApp(trace, compare=compare, opener=stable_opener)
         out = os.path.join(directory, name)
         asyncio.run(_shoot(app, keys, step, out))
