@@ -136,7 +136,7 @@ def test_wheel_claims_one_top_level_name(tmp_path):
     import subprocess
     import sys
     import zipfile
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
                     str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=300)
     wheel, = tmp_path.glob("kdspec-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -26,7 +26,7 @@ from . import corpus as corpus_mod
 from .baselines import measure_baselines
 from .corpus import HELDOUT
 from .errors import TrainError
-from .prepare import PreparedData, default_stdlib, file_sha256, resolve_data
+from .prepare import DATA_MANIFEST, PreparedData, default_stdlib, file_sha256, resolve_data
 from .recipe import OPTIMS, SHAPES, with_vocab
 from .tokenizer import EOD_ID, check_vocab_size
 from .windows import eval_windows
@@ -128,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
         raise TrainError(f"{corpus_path}: no such corpus directory or file")
     if corpus_path.is_dir() and not any(corpus_path.iterdir()):
         raise TrainError(f"{corpus_path}: corpus directory is empty")
+    # a source tree (not a prepared data directory) without Python files: say so before asking for torch
+    if corpus_path.is_dir() and not (corpus_path / DATA_MANIFEST).exists() \
+            and next(corpus_path.rglob("*.py"), None) is None:
+        raise TrainError(f"{corpus_path}: no .py file under the corpus directory")
     if out.exists() and not args.force:
         raise TrainError(f"{out}: output directory exists (use --force to replace it)")
 

@@ -211,7 +211,7 @@ class NoWorkModel:
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(budget=0), "budget must be an integer >= 1"),
-    (dict(block_size=0), "block_size must be an integer >= 1"),
+    (dict(block_size=0), "block_size must be an integer >= 2"),  # a DDTree block drafts at least one depth
     (dict(topk=0), "topk must be an integer >= 1"),
     (dict(topk=10 ** 6), "topk must be at most the vocabulary size"),
     (dict(prompt_ids=[]), "prompt must be a non-empty"),

@@ -19,7 +19,7 @@ ENV = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
 
 
 def kdtree(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "kdtree_tui", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kdspec.kdtree_tui", *args], capture_output=True, text=True,
                           env=ENV, timeout=timeout)
 
 

@@ -1,7 +1,7 @@
 """The `kdtree` command line under hostile conditions (issue 21): closed pipes, bad flags, damaged inputs.
 
 Most cases call ``cli.main`` in-process (capsys); a few that need a real process (a closed pipe, signals) run
-``python -m kdtree_tui``.
+``python -m kdspec.kdtree_tui``.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def kdtree_to_closed_pipe(*args, timeout=60):
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        return subprocess.run([sys.executable, "-m", "kdtree_tui", *args], stdout=write_end, stderr=subprocess.PIPE,
+        return subprocess.run([sys.executable, "-m", "kdspec.kdtree_tui", *args], stdout=write_end, stderr=subprocess.PIPE,
                               text=True, env=ENV, cwd=ROOT, timeout=timeout)
     finally:
         os.close(write_end)
