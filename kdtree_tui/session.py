@@ -135,6 +135,7 @@ class TraceSession:
         names = LIST_COLUMNS + PATH_COLUMNS
         # one pass over the rows; the stage timings ride along (the reader caches them for the run view)
         values = dict(reader.fields(names + STAGE_COLUMNS, start, stop))
+        self._check_counts(values, start)
         new = {name: np.asarray(values[name]) for name in names}
         for name in PATH_COLUMNS:
             if new[name].ndim == 1:
@@ -144,6 +145,21 @@ class TraceSession:
             new = {name: np.concatenate([previous.columns[name], new[name]]) for name in names}
             flags = np.concatenate([previous.flags, flags])
         return Columns(num_steps, new, flags)
+
+    def _check_counts(self, values: dict, start: int) -> None:
+        """Every size the views derive from a step (histograms, path widths) is bounded by the trace's declared
+        widths: a tau or num_nodes outside them is damage (traces' TraceError), never an allocation."""
+        dims = getattr(self.reader, "dims", None)
+        if dims is None:
+            return
+        from kdspec.traces.schema import TraceError
+        for name, high in (("num_nodes", dims.node_width), ("tau", dims.path_width)):
+            column = np.asarray(values[name])
+            bad = np.flatnonzero((column < 1) | (column > high))
+            if bad.size:
+                i = int(bad[0])
+                raise TraceError(f"{self.path}: step {start + i}: {name} {int(column[i])} outside 1..{high} "
+                                 f"(the trace's widths)")
 
     def install(self, loaded: "Columns") -> None:
         """Make freshly read columns current (on the UI thread)."""

@@ -6,6 +6,8 @@ whose one-line message names the file (and the dataset when one is damaged).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
 import threading
@@ -444,9 +446,42 @@ def _open_file(path: str) -> h5py.File:
     if not any(s in str(plain_error) for s in ("already open for write", "locking flag")):
         raise TraceError(f"{path}: cannot open as HDF5, damaged or truncated? ({_first_line(plain_error)})") from None
     try:
-        return h5py.File(path, "r", libver="latest", swmr=True, locking=False)
-    except (OSError, RuntimeError, ValueError) as e:
+        return _open_swmr(path)
+    except (OSError, RuntimeError, ValueError, KeyError) as e:
         raise TraceError(f"{path}: cannot open as HDF5, damaged or truncated? ({_first_line(e)})") from None
+
+
+# Metadata read attempts in SWMR read mode. HDF5 retries a metadata block whose checksum fails (it may be
+# half-written by the live writer) 100 times by default, sleeping longer each time: minutes on a damaged
+# file. A live writer rewrites a block in microseconds, so a few attempts suffice.
+SWMR_READ_ATTEMPTS = 4
+
+
+def _open_swmr(path: str) -> h5py.File:
+    """``h5py.File(path, "r", libver="latest", swmr=True, locking=False)`` with at most SWMR_READ_ATTEMPTS
+    reads of a metadata block (h5py does not expose H5Pset_metadata_read_attempts: it is called directly)."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    fapl.set_file_locking(False, True)
+    set_attempts = _read_attempts_setter()
+    if set_attempts is not None:
+        with h5py._objects.phil:  # h5py's lock around every HDF5 call (its HDF5 is not thread-safe)
+            set_attempts(fapl.id, SWMR_READ_ATTEMPTS)
+    fid = h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDONLY | h5py.h5f.ACC_SWMR_READ, fapl=fapl)
+    return h5py.File(fid)
+
+
+@functools.lru_cache(maxsize=1)
+def _read_attempts_setter():
+    """HDF5's H5Pset_metadata_read_attempts, from the library h5py is linked with (found through h5py's own
+    extension module), or None where it cannot be found (HDF5's default retries then)."""
+    try:
+        function = ctypes.CDLL(h5py.h5p.__file__).H5Pset_metadata_read_attempts
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int64, ctypes.c_uint]   # hid_t is 64-bit since HDF5 1.10
+    function.restype = ctypes.c_int
+    return function
 
 
 def _is_scalar(field: str) -> bool:

@@ -241,11 +241,38 @@ def _fp8_block(directory: Path) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def _mtp_layers(directory: Path, cfg: ModelConfig) -> set[str]:
-    # DeepSeek-V3 ships its multi-token-prediction module as extra layers after the last one; not used here.
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+def _mtp_layers(directory: Path, cfg: ModelConfig) -> range:
+    """The layer indices of DeepSeek-V3's multi-token-prediction module, which it ships as extra layers after
+    the last one (not used here)."""
     raw = _raw_config(directory)
     extra = (_section(raw, "text_config", directory) or raw).get("num_nextn_predict_layers") or 0
-    return {f"model.layers.{cfg.num_hidden_layers + i}." for i in range(int(extra))}
+    if isinstance(extra, bool) or not isinstance(extra, int) or not 0 <= extra <= cfg.num_hidden_layers:
+        raise CheckpointError(f"{directory / CONFIG_FILE}: num_nextn_predict_layers must be an integer in "
+                              f"0..num_hidden_layers ({cfg.num_hidden_layers}; DeepSeek-V3 ships 1), got {extra!r:.40}")
+    return range(cfg.num_hidden_layers, cfg.num_hidden_layers + extra)
+
+
+def _layer(name: str) -> int:
+    found = _LAYER.match(name)
+    return int(found.group(1)) if found else -1
+
+
+def _check_counts(directory: Path, cfg: ModelConfig, names: dict[str, str]) -> None:
+    """config.json's layer and expert counts against the tensors the checkpoint holds, before the expected
+    tensor names are built (a config claiming 10^9 layers would build billions of them)."""
+    layers = max((_layer(n) for n in names), default=-1) + 1
+    if cfg.num_hidden_layers > layers:
+        raise CheckpointError(f"{directory / CONFIG_FILE}: num_hidden_layers is {cfg.num_hidden_layers}, but the "
+                              f"checkpoint holds tensors of {layers} layers")
+    if cfg.has_moe:
+        experts = max((int(m.group(1)) for m in map(_EXPERT.match, names) if m), default=-1) + 1
+        if cfg.n_routed_experts > experts:
+            raise CheckpointError(f"{directory / CONFIG_FILE}: n_routed_experts is {cfg.n_routed_experts}, but "
+                                  f"the checkpoint holds tensors of {experts} experts")
 
 
 def _open(files: dict[str, SafetensorsFile], directory: Path, file_name: str) -> SafetensorsFile:
@@ -257,7 +284,8 @@ def _open(files: dict[str, SafetensorsFile], directory: Path, file_name: str) ->
 def _read_weights(directory: Path, cfg: ModelConfig, files: dict[str, SafetensorsFile]) -> dict[str, np.ndarray]:
     names = _tensor_files(directory)
     mtp = _mtp_layers(directory, cfg)
-    names = {n: f for n, f in names.items() if not any(n.startswith(p) for p in mtp)}
+    names = {n: f for n, f in names.items() if _layer(n) not in mtp}
+    _check_counts(directory, cfg, names)
     block = _fp8_block(directory)
     infos = {}
     for name, file_name in names.items():

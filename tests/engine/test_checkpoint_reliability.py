@@ -37,3 +37,24 @@ def test_shards_outside_the_directory_are_refused(sharded, where):
 def test_shards_inside_the_directory_still_load(sharded):
     cfg, weights = load_model(sharded)
     assert cfg.num_hidden_layers == PRESETS["tiny"].num_hidden_layers and weights
+
+
+@pytest.mark.parametrize("field,value", [("num_hidden_layers", 10 ** 9), ("num_nextn_predict_layers", 10 ** 12),
+                                         ("num_nextn_predict_layers", -3), ("num_nextn_predict_layers", "2")])
+def test_absurd_layer_counts_are_refused_before_building_tensor_names(tmp_path, field, value):
+    """A config.json claiming 10^9 layers built every tensor name (GBs) before any check: now the checkpoint's
+    own tensors bound it."""
+    import resource
+    import time
+    cfg, weights = load_model("tiny")
+    directory = tmp_path / "model"
+    save_model(directory, cfg, weights)
+    config = json.loads((directory / "config.json").read_text())
+    config[field] = value
+    (directory / "config.json").write_text(json.dumps(config))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=field) as excinfo:
+        load_model(directory)
+    assert time.monotonic() - start < 5 and "\n" not in str(excinfo.value)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB

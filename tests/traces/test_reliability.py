@@ -287,3 +287,83 @@ def test_nan_differences_that_were_not_measured_pass(tmp_path):
 def test_check_of_a_consistent_run_still_passes(tmp_path):
     assert edited_run(tmp_path, "fine", lambda r, o, g: None) == edited_run(tmp_path, "fine2", lambda r, o, g: None)
     assert edited_run(tmp_path, "fine3", lambda r, o, g: None)[0] == 0
+
+
+# -- defect 7: bounded SWMR retries ------------------------------------------------------------------------
+KILLED_WRITER = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from test_traces import make_run
+from test_reliability import new_writer
+records, output, golden = make_run(1, 40, 8, 7, 7)
+writer = new_writer(sys.argv[1])
+for record in records:
+    writer.write_step(record)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture(scope="module")
+def killed_trace(tmp_path_factory):
+    """A trace whose writer was SIGKILLed (still flagged open for writing: it opens in SWMR mode only)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+    path = tmp_path_factory.mktemp("killed") / "killed.h5"
+    here = Path(__file__).resolve().parent
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(path), str(here)], stdout=subprocess.PIPE,
+                            text=True, cwd=here.parents[1])
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    return path
+
+
+def test_a_killed_trace_with_flipped_bytes_fails_within_seconds(killed_trace, tmp_path):
+    """HDF5 retried an unreadable metadata block in SWMR mode for minutes; now a few attempts."""
+    import random
+    import time
+    data = killed_trace.read_bytes()
+    with open_trace(killed_trace) as reader:
+        assert reader.num_steps >= 39
+    rng = random.Random(0)
+    for trial in range(12):
+        damaged = bytearray(data)
+        for _ in range(3):
+            damaged[rng.randrange(len(damaged))] ^= 0xFF
+        path = tmp_path / f"flip{trial}.h5"
+        path.write_bytes(bytes(damaged))
+        start = time.monotonic()
+        try:
+            with open_trace(path) as reader:
+                for i in range(reader.num_steps):
+                    reader.step(i)
+                check(reader)
+        except TraceError as e:
+            assert "\n" not in str(e)
+        assert time.monotonic() - start < 5, trial
+
+
+@pytest.mark.parametrize("name,value", [("tau", 10 ** 9), ("tau", -5), ("num_nodes", 10 ** 9), ("num_nodes", 0)])
+def test_the_viewer_bounds_sizes_by_the_declared_shapes(tmp_path, name, value):
+    """One tau of 10^9 sized a histogram by it (GBs); the viewer's columns are checked against the widths."""
+    from kdspec.kdtree_tui.session import TraceSession
+    path = valid_trace(tmp_path / "t.h5", steps=6)
+    with h5py.File(path, "r+") as f:
+        rows = f["steps"][...]
+        rows[name][2] = value
+        f["steps"][...] = rows
+    session = TraceSession(path)
+    try:
+        with pytest.raises(TraceError, match=f"step 2: {name}") as excinfo:
+            session.read_columns()
+        assert "\n" not in str(excinfo.value)
+        with pytest.raises(TraceError):
+            session.step(2)
+        session.step(1)
+    finally:
+        session.close()
