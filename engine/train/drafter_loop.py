@@ -183,6 +183,42 @@ def train_and_evaluate(cfg: DrafterConfig, recipe, target_dir: Path, data: Prepa
 
     t_setup = time.perf_counter()
     torch.manual_seed(seed)
+    sets = _generate_sets(cfg, recipe, target_dir, data, device, seed, log)
+    model, optimizer = _new_drafter(cfg, recipe, device, seed)
+    result = DrafterResult(cfg, recipe, model, sets.summary,
+                           versions={"python": platform.python_version(), "torch": torch.__version__,
+                                     "transformers": transformers.__version__})
+    torch.set_float32_matmul_precision("high")
+    result.setup_seconds = time.perf_counter() - t_setup
+    best_state = _train(result, optimizer, sets, device, time_budget, seed, max_steps, log)
+    _final_evaluation(result, best_state, sets, data, device, log)
+    _log_run(result, device, log)
+    return result
+
+
+@dataclass
+class _Sets:
+    """The generated sets, the frozen target's embedding and head, and the fixed evaluation blocks."""
+
+    train: GeneratedSet
+    val: GeneratedSet
+    heldout: GeneratedSet
+    summary: dict
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    usable: torch.Tensor      # training sequences with at least one usable anchor
+    ev_anchors: torch.Tensor  # the held-out blocks ...
+    ev_valid: torch.Tensor
+    val_anchors: torch.Tensor  # ... and the validation blocks (eval_blocks)
+    val_valid: torch.Tensor
+
+
+def _generate_sets(cfg: DrafterConfig, recipe, target_dir: Path, data: PreparedData, device: torch.device,
+                   seed: int, log: Callable[[str], None]) -> _Sets:
+    """Load the target, generate the training / validation / held-out sets with it and fix the evaluation blocks;
+    the target itself is dropped (only its embedding and head are kept)."""
+    import transformers
+
     target = load_target(target_dir, device)
     if target.config.hidden_size != cfg.hidden_size:
         raise ValueError("target hidden size changed under us")
@@ -199,16 +235,17 @@ def train_and_evaluate(cfg: DrafterConfig, recipe, target_dir: Path, data: Prepa
                         f"the rest are the reported held-out set"}
     for name in ("train", "validation", "heldout"):
         log(f"{name} set {summary[name]}")
-    embed = target.model.embed_tokens.weight.detach()
-    lm_head = target.lm_head.weight.detach()
-    vocab = embed.shape[0]
     usable = torch.nonzero(train.anchor_ok.any(1)).flatten()
     if len(usable) == 0:
         raise ValueError("no usable training anchors (sequences too short for the block?)")
     ev_anchors, ev_valid = eval_blocks(heldout, recipe.eval_anchors_per_sequence, seed)
     val_anchors, val_valid = eval_blocks(val, recipe.eval_anchors_per_sequence, seed + 1)
-    del target
+    return _Sets(train, val, heldout, summary, target.model.embed_tokens.weight.detach(),
+                 target.lm_head.weight.detach(), usable, ev_anchors, ev_valid, val_anchors, val_valid)
 
+
+def _new_drafter(cfg: DrafterConfig, recipe, device: torch.device, seed: int):
+    """The freshly initialised drafter in training mode and its AdamW (weight decay on the matrices only)."""
     model = BlockDrafter(cfg)
     model.reset_parameters(seed)
     model.to(device).train()
@@ -217,20 +254,34 @@ def train_and_evaluate(cfg: DrafterConfig, recipe, target_dir: Path, data: Prepa
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                                    {"params": rest, "weight_decay": 0.0}], lr=recipe.lr,
                                   betas=(recipe.beta1, recipe.beta2), fused=device.type == "cuda")
-    weights = depth_weights(cfg.num_depths, recipe.gamma, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    result = DrafterResult(cfg, recipe, model, summary,
-                           versions={"python": platform.python_version(), "torch": torch.__version__,
-                                     "transformers": transformers.__version__})
-    torch.set_float32_matmul_precision("high")
-    result.setup_seconds = time.perf_counter() - t_setup
+    return model, optimizer
 
-    loss_sum = torch.zeros((), device=device)
-    ce_sum = torch.zeros(cfg.num_depths, device=device)
-    since, blocks_since = 0, 0
+
+@dataclass
+class _Window:
+    """Running sums over the training steps since the previous validation check."""
+
+    loss_sum: torch.Tensor
+    ce_sum: torch.Tensor
+    steps: int = 0
+    blocks: int = 0
+
+    def reset(self) -> None:
+        self.loss_sum.zero_()
+        self.ce_sum.zero_()
+        self.steps, self.blocks = 0, 0
+
+
+def _train(result: DrafterResult, optimizer, sets: _Sets, device: torch.device, time_budget: float, seed: int,
+           max_steps: Optional[int], log: Callable[[str], None]) -> dict:
+    """Training steps with a validation check every eval_interval_s and one at the end, until the time budget,
+    max_steps or the patience runs out (result.stop_reason says which); returns the best state by validation tau."""
+    recipe, num_depths = result.recipe, result.cfg.num_depths
+    weights = depth_weights(num_depths, recipe.gamma, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    window = _Window(torch.zeros((), device=device), torch.zeros(num_depths, device=device))
     start = time.perf_counter()
     last_eval = start
-    S, A = recipe.batch_sequences, recipe.anchors_per_sequence
     best_state, evals_since_best = None, 0
     while True:
         elapsed = time.perf_counter() - start
@@ -239,73 +290,102 @@ def train_and_evaluate(cfg: DrafterConfig, recipe, target_dir: Path, data: Prepa
             progress = max(progress, result.steps / max_steps)
         out_of_time = elapsed >= time_budget or (max_steps is not None and result.steps >= max_steps)
         if result.steps > 0 and (out_of_time or time.perf_counter() - last_eval >= recipe.eval_interval_s):
-            t_eval = time.perf_counter()
-            tau = quick_tau(model, val, val_anchors, val_valid, embed, lm_head)
-            point = {"step": result.steps, "blocks": result.blocks, "seconds": result.train_seconds,
-                     "lr": optimizer.param_groups[0]["lr"], "train_loss": float(loss_sum) / since,
-                     "ce_per_depth": [float(x) / since for x in ce_sum], "validation_tau": tau}
-            result.curve.append(point)
-            best = tau > result.best_validation_tau
-            if best:
-                result.best_validation_tau, result.best_step = tau, result.steps
-                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                evals_since_best = 0
+            state = _validation_check(result, optimizer, sets, window, last_eval, log)
+            if state is not None:
+                best_state, evals_since_best = state, 0
             else:
                 evals_since_best += 1
-            log(f"step {result.steps:6d} | {blocks_since / max(time.perf_counter() - last_eval, 1e-9):9,.0f} "
-                f"blocks/s | loss {point['train_loss']:.4f} | ce d1 {point['ce_per_depth'][0]:.3f} d{cfg.num_depths} "
-                f"{point['ce_per_depth'][-1]:.3f} | lr {point['lr']:.2e} | validation tau {tau:.3f}"
-                f"{' (best)' if best else ''}")
-            loss_sum.zero_()
-            ce_sum.zero_()
-            since, blocks_since = 0, 0
-            result.eval_seconds += time.perf_counter() - t_eval
             last_eval = time.perf_counter()
-            elapsed = last_eval - start
-            out_of_time = out_of_time or elapsed >= time_budget
+            out_of_time = out_of_time or last_eval - start >= time_budget
         if out_of_time or evals_since_best >= recipe.patience:
             result.stop_reason = "max steps" if max_steps is not None and result.steps >= max_steps else \
                 "time budget spent" if out_of_time else f"no better validation tau in {recipe.patience} checks"
-            break
+            return best_state
+        _train_step(result, optimizer, sets, weights, gen, window, progress, device)
 
-        t_step = time.perf_counter()
-        lr = learning_rate(recipe, result.steps, progress)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        seq = usable[torch.randint(len(usable), (S,), device=device, generator=gen)]
-        anchors = sample_anchors(train.anchor_ok, seq, A, gen)
-        width = int(anchors.max())
-        ctx = train.hidden[seq, :width].float()
-        bonus = train.tokens[seq[:, None], anchors]
-        labels = block_labels(train.tokens, seq, anchors, cfg.num_depths)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            hidden = model(ctx, anchors, bonus, embed)
-            loss, ce = block_loss(hidden, labels, lm_head, weights)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum += loss.detach()
-        ce_sum += ce
-        since += 1
-        blocks_since += S * A
-        result.steps += 1
-        result.blocks += S * A
-        _sync(device)
-        result.train_seconds += time.perf_counter() - t_step
 
+def _validation_check(result: DrafterResult, optimizer, sets: _Sets, window: _Window, last_eval: float,
+                      log: Callable[[str], None]) -> Optional[dict]:
+    """One point of the loss curve, with the chain tau on the validation blocks; the window is reset. Returns a
+    copy of the model's state when the tau is the best so far, else None."""
+    t_eval = time.perf_counter()
+    model = result.model
+    tau = quick_tau(model, sets.val, sets.val_anchors, sets.val_valid, sets.embed, sets.lm_head)
+    point = {"step": result.steps, "blocks": result.blocks, "seconds": result.train_seconds,
+             "lr": optimizer.param_groups[0]["lr"], "train_loss": float(window.loss_sum) / window.steps,
+             "ce_per_depth": [float(x) / window.steps for x in window.ce_sum], "validation_tau": tau}
+    result.curve.append(point)
+    best = tau > result.best_validation_tau
+    state = None
+    if best:
+        result.best_validation_tau, result.best_step = tau, result.steps
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    log(f"step {result.steps:6d} | {window.blocks / max(time.perf_counter() - last_eval, 1e-9):9,.0f} "
+        f"blocks/s | loss {point['train_loss']:.4f} | ce d1 {point['ce_per_depth'][0]:.3f} d{result.cfg.num_depths} "
+        f"{point['ce_per_depth'][-1]:.3f} | lr {point['lr']:.2e} | validation tau {tau:.3f}"
+        f"{' (best)' if best else ''}")
+    window.reset()
+    result.eval_seconds += time.perf_counter() - t_eval
+    return state
+
+
+def _sample_batch(sets: _Sets, recipe, num_depths: int, device: torch.device, gen: torch.Generator):
+    """One training batch: S sequences with usable anchors, A anchors each -> (context, anchors, bonus, labels)."""
+    S, A = recipe.batch_sequences, recipe.anchors_per_sequence
+    seq = sets.usable[torch.randint(len(sets.usable), (S,), device=device, generator=gen)]
+    anchors = sample_anchors(sets.train.anchor_ok, seq, A, gen)
+    width = int(anchors.max())
+    ctx = sets.train.hidden[seq, :width].float()
+    bonus = sets.train.tokens[seq[:, None], anchors]
+    return ctx, anchors, bonus, block_labels(sets.train.tokens, seq, anchors, num_depths)
+
+
+def _train_step(result: DrafterResult, optimizer, sets: _Sets, weights: torch.Tensor, gen: torch.Generator,
+                window: _Window, progress: float, device: torch.device) -> None:
+    """One optimiser step at the scheduled learning rate; adds to the window and the result's counters."""
+    t_step = time.perf_counter()
+    recipe, model = result.recipe, result.model
+    lr = learning_rate(recipe, result.steps, progress)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    ctx, anchors, bonus, labels = _sample_batch(sets, recipe, result.cfg.num_depths, device, gen)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        hidden = model(ctx, anchors, bonus, sets.embed)
+        loss, ce = block_loss(hidden, labels, sets.lm_head, weights)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    blocks = recipe.batch_sequences * recipe.anchors_per_sequence
+    window.loss_sum += loss.detach()
+    window.ce_sum += ce
+    window.steps += 1
+    window.blocks += blocks
+    result.steps += 1
+    result.blocks += blocks
+    _sync(device)
+    result.train_seconds += time.perf_counter() - t_step
+
+
+def _final_evaluation(result: DrafterResult, best_state: dict, sets: _Sets, data: PreparedData,
+                      device: torch.device, log: Callable[[str], None]) -> None:
+    """Restore the best state, round it to bf16, score it on the held-out blocks, fold the fitted temperature into
+    norm.weight, round again and score it next to the bigram baselines (result.heldout)."""
     t_final = time.perf_counter()
+    model, recipe = result.model, result.recipe
     model.load_state_dict(best_state)
     model.eval()
     round_to_bf16(model)
     torch.set_float32_matmul_precision("highest")
     with torch.no_grad():
-        uncalibrated = _drafter_scores(model, heldout, ev_anchors, ev_valid, embed, lm_head, recipe)
-        temperature, calibration = fit_temperature(model, val, val_anchors, val_valid, embed, lm_head)
+        uncalibrated = _drafter_scores(model, sets.heldout, sets.ev_anchors, sets.ev_valid, sets.embed,
+                                       sets.lm_head, recipe)
+        temperature, calibration = fit_temperature(model, sets.val, sets.val_anchors, sets.val_valid, sets.embed,
+                                                   sets.lm_head)
         model.norm.weight.div_(temperature)
         round_to_bf16(model)
-        report = _final_scores(model, train, heldout, ev_anchors, ev_valid, embed, lm_head, data, vocab, recipe,
-                               device)
+        report = _final_scores(model, sets.train, sets.heldout, sets.ev_anchors, sets.ev_valid, sets.embed,
+                               sets.lm_head, data, sets.embed.shape[0], recipe, device)
     report["drafter_before_temperature"] = uncalibrated
     report["temperature"] = {**calibration, "folded": "norm.weight divided by T before the bf16 rounding; "
                                                       "'drafter' is scored with it, 'drafter_before_temperature' "
@@ -316,12 +396,14 @@ def train_and_evaluate(cfg: DrafterConfig, recipe, target_dir: Path, data: Prepa
     for name in ("drafter_before_temperature", "drafter", "bigram_target_generated", "bigram_corpus"):
         log(format_summary(name, report[name]))
     result.final_eval_seconds = time.perf_counter() - t_final
+
+
+def _log_run(result: DrafterResult, device: torch.device, log: Callable[[str], None]) -> None:
     log(f"{result.steps} steps, {result.blocks:,} blocks in {result.train_seconds:.1f} s "
         f"({result.blocks / max(result.train_seconds, 1e-9):,.0f} blocks/s); final evaluation "
         f"{result.final_eval_seconds:.1f} s; stop: {result.stop_reason}"
         + (f"; peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda"
            else ""))
-    return result
 
 
 def _drafter_scores(model, heldout: GeneratedSet, anchors, valid, embed, lm_head, recipe) -> dict:

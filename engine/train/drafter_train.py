@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from kdspec.engine.model.config import shipped_model_dir
 from kdspec.engine.model.drafter import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, DrafterConfig, DrafterError
@@ -137,31 +137,13 @@ def run(args: argparse.Namespace) -> int:
     """Validate, train and write ``args.out``; raises TrainError on bad input."""
     wall_start = time.perf_counter()
     target, out = Path(args.target), Path(args.out)
-    if args.block_size < 2:
-        raise TrainError(f"--block-size must be >= 2 (bonus + at least one drafted depth), got {args.block_size}")
-    if not args.time_budget > 0:
-        raise TrainError(f"--time-budget must be positive seconds, got {args.time_budget}")
-    if args.max_steps is not None and args.max_steps < 1:
-        raise TrainError(f"--max-steps must be positive, got {args.max_steps}")
+    _check_run_arguments(args)
     target_config = _read_target_config(target)
     recipe = _recipe(args)
-    cfg = DrafterConfig(
-        hidden_size=target_config["hidden_size"], num_layers=args.num_layers, block_size=args.block_size,
-        target_layers=_target_layers(args.target_layers, target_config["num_hidden_layers"]),
-        rms_norm_eps=float(target_config.get("rms_norm_eps", 1e-6)),
-        target={"name": target.resolve().name, "model_safetensors_sha256": file_sha256(target / "model.safetensors"),
-                "vocab_size": target_config["vocab_size"], "num_hidden_layers": target_config["num_hidden_layers"]})
-    if out.exists() and not args.force:
-        raise TrainError(f"{out}: output directory exists (use --force to replace it)")
-    if out.exists() and not out.is_dir():
-        raise TrainError(f"{out}: output path exists and is not a directory")
-    data = load_prepared(args.data)
-    if data.vocab_size != target_config["vocab_size"]:
-        raise TrainError(f"{args.data}: vocabulary {data.vocab_size} differs from the target's "
-                         f"{target_config['vocab_size']}")
-    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise TrainError(f"drafter training needs {' and '.join(missing)} (pip install torch transformers)")
+    cfg = _drafter_config(args, target, target_config)
+    _check_output(out, args.force)
+    data = _load_data(args.data, target_config)
+    _require_torch()
     from .target import _device_name, _torch_device
 
     device = _torch_device(args.device)
@@ -169,38 +151,96 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     with open(out / LOG_FILE, "a", encoding="utf-8") as log_file:
-        def log(line: str) -> None:
-            print(line, flush=True)
-            log_file.write(line + "\n")
-            log_file.flush()
-
+        log = _tee(log_file)
         from .drafter_loop import train_and_evaluate
 
         result = train_and_evaluate(cfg, recipe, target, data, device, args.time_budget, args.seed,
                                     args.max_steps, log)
         result.save(out)
-        manifest = {
-            "drafter": cfg.to_dict(),
-            "parameters": cfg.parameter_count(),
-            "recipe": {**result.recipe_dict(), "seed": args.seed, "time_budget_s": args.time_budget,
-                       "max_steps": args.max_steps, "device": str(device), "labels": LABELS,
-                       "saved_dtype": "bfloat16 (every tensor)"},
-            "target": {**cfg.target, "dir": str(target), "config": target_config},
-            "data": {"dir": str(args.data), "streams_used": {s: data.manifest["streams"][s] for s in ("train",
-                     "heldout")}, "train_stream_sha256": data.manifest["streams"]["train"]["sha256"],
-                     "heldout_stream_sha256": data.manifest["streams"]["heldout"]["sha256"],
-                     "heldout_use": "evaluation only (held-out prompts); never trained on",
-                     "generated": result.data_summary},
-            **result.manifest_fields(),
-            "versions": result.versions,
-            "device_name": _device_name(device),
-        }
+        manifest = _manifest(args, cfg, result, target, target_config, data, device, _device_name(device))
         manifest["wall_seconds"] = time.perf_counter() - wall_start
-        manifest["files"] = [{"file": p.name, "bytes": p.stat().st_size, "sha256": file_sha256(p)}
-                             for p in sorted(out.iterdir()) if p.name in (CONFIG_FILE, WEIGHTS_FILE)]
-        (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        _write_manifest(out, manifest)
         log(f"wrote {out} ({(out / WEIGHTS_FILE).stat().st_size:,} B weights); wall {manifest['wall_seconds']:.1f} s")
     return 0
+
+
+def _check_run_arguments(args: argparse.Namespace) -> None:
+    """The command-line settings that are not part of the recipe."""
+    if args.block_size < 2:
+        raise TrainError(f"--block-size must be >= 2 (bonus + at least one drafted depth), got {args.block_size}")
+    if not args.time_budget > 0:
+        raise TrainError(f"--time-budget must be positive seconds, got {args.time_budget}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise TrainError(f"--max-steps must be positive, got {args.max_steps}")
+
+
+def _drafter_config(args: argparse.Namespace, target: Path, target_config: dict) -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=target_config["hidden_size"], num_layers=args.num_layers, block_size=args.block_size,
+        target_layers=_target_layers(args.target_layers, target_config["num_hidden_layers"]),
+        rms_norm_eps=float(target_config.get("rms_norm_eps", 1e-6)),
+        target={"name": target.resolve().name, "model_safetensors_sha256": file_sha256(target / "model.safetensors"),
+                "vocab_size": target_config["vocab_size"], "num_hidden_layers": target_config["num_hidden_layers"]})
+
+
+def _check_output(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise TrainError(f"{out}: output directory exists (use --force to replace it)")
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"{out}: output path exists and is not a directory")
+
+
+def _load_data(data_dir: str, target_config: dict):
+    """The prepared data, whose vocabulary must be the target's."""
+    data = load_prepared(data_dir)
+    if data.vocab_size != target_config["vocab_size"]:
+        raise TrainError(f"{data_dir}: vocabulary {data.vocab_size} differs from the target's "
+                         f"{target_config['vocab_size']}")
+    return data
+
+
+def _require_torch() -> None:
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise TrainError(f"drafter training needs {' and '.join(missing)} (pip install torch transformers)")
+
+
+def _tee(log_file) -> Callable[[str], None]:
+    """A log function that prints each line and appends it to ``log_file`` (flushed)."""
+    def log(line: str) -> None:
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+    return log
+
+
+def _manifest(args: argparse.Namespace, cfg: DrafterConfig, result, target: Path, target_config: dict, data,
+              device, device_name: str) -> dict:
+    """manifest.json less its wall_seconds and files (run and _write_manifest add them)."""
+    streams = data.manifest["streams"]
+    return {
+        "drafter": cfg.to_dict(),
+        "parameters": cfg.parameter_count(),
+        "recipe": {**result.recipe_dict(), "seed": args.seed, "time_budget_s": args.time_budget,
+                   "max_steps": args.max_steps, "device": str(device), "labels": LABELS,
+                   "saved_dtype": "bfloat16 (every tensor)"},
+        "target": {**cfg.target, "dir": str(target), "config": target_config},
+        "data": {"dir": str(args.data), "streams_used": {s: streams[s] for s in ("train", "heldout")},
+                 "train_stream_sha256": streams["train"]["sha256"],
+                 "heldout_stream_sha256": streams["heldout"]["sha256"],
+                 "heldout_use": "evaluation only (held-out prompts); never trained on",
+                 "generated": result.data_summary},
+        **result.manifest_fields(),
+        "versions": result.versions,
+        "device_name": device_name,
+    }
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
+    """Add the digests of the written config and weights to ``manifest`` and write it to ``out``."""
+    manifest["files"] = [{"file": p.name, "bytes": p.stat().st_size, "sha256": file_sha256(p)}
+                         for p in sorted(out.iterdir()) if p.name in (CONFIG_FILE, WEIGHTS_FILE)]
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
