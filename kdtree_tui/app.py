@@ -8,6 +8,7 @@ step's record is shown. Step list rows whose columns are not read yet show place
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from typing import Callable, Optional
 
@@ -81,6 +82,7 @@ class TraceApp(App[int]):
         self._at_end = follow  # follow mode starts at (and sticks to) the last step
         self._follow_timer = None
         self._froze_heap = False  # gc.freeze() ran (on_unmount undoes it)
+        self.fatal: Optional[str] = None  # why the app stopped (one line; run_app prints it), exit status 2
 
     # -- layout ---------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -191,7 +193,10 @@ class TraceApp(App[int]):
 
     def on_columns_loaded(self, message: ColumnsLoaded) -> None:
         if message.error:
-            self.show_error(message.error)
+            if self.session.rows == 0:  # nothing to show: the step list and every view need the columns
+                self.stop(message.error)
+            else:                       # a followed trace that failed to grow: keep what was read
+                self.show_error(message.error)
             return
         grew = message.columns[0].num_steps != self.session.num_steps
         self.session.install(message.columns[0])
@@ -271,6 +276,27 @@ class TraceApp(App[int]):
         self.status_text = text
         # One fixed-height line: a layout pass (and the frames it costs every step key) would change nothing.
         self.query_one("#status", Static).update(text, layout=False)
+
+    def stop(self, reason: str) -> None:
+        """End the app because the trace cannot be shown: exit status 2, ``reason`` printed by run_app."""
+        if self.fatal is None:
+            self.fatal = reason
+        self.exit(return_code=2)
+
+    def _handle_exception(self, error: Exception) -> None:
+        """An unhandled exception: Textual (pinned, 8.2.8) would print a full-screen traceback and exit 1.
+        What a damaged trace raises ends the app with one line instead (KDTREE_TUI_DEBUG=1 keeps Textual's
+        traceback, for debugging the app itself)."""
+        cause = getattr(error, "error", None)  # a worker's WorkerFailed carries the error it raised
+        cause = cause if isinstance(cause, Exception) else error
+        if os.environ.get("KDTREE_TUI_DEBUG") == "1" or not isinstance(cause, Exception):
+            super()._handle_exception(error)
+            return
+        what = "" if isinstance(cause, TraceError) else f"{type(cause).__name__}: "
+        self.fatal = self.fatal or f"{self.session.path}: cannot show this trace ({what}{_one_line(cause)})"
+        self._return_code = 2
+        self._exception_event.set()  # a test's pilot stops waiting (no exception to re-raise: it was reported)
+        self._close_messages_no_wait()
 
     def show_error(self, message: str) -> None:
         self.message = message
@@ -404,12 +430,19 @@ def _one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def run_app(path: str, compare: Optional[str] = None, follow: bool = False) -> int:
-    """Run the debugger on a trace; a file that is not a readable trace prints one line, returns 2."""
+def run_app(path: str, compare: Optional[str] = None, follow: bool = False, headless: bool = False) -> int:
+    """Run the debugger on a trace; its exit status is the app's return code (0 after q). A file that is not a
+    readable trace, or one the app cannot go on showing, prints one line and returns 2."""
     try:
         app = TraceApp(path, compare=compare, follow=follow)
     except TraceError as e:
         print(f"kdtree tui: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    app.run()
-    return 0
+    except (OSError, ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+        print(f"kdtree tui: error: {path}: cannot show this trace ({type(e).__name__}: {_one_line(e)})",
+              file=sys.stderr)
+        return 2
+    app.run(headless=headless)
+    if app.fatal:
+        print(f"kdtree tui: error: {_one_line(app.fatal)}", file=sys.stderr)
+    return app.return_code if app.return_code is not None else 0
