@@ -195,17 +195,26 @@ def _decode_into(writer, engine, prompt_ids: list[int], config, golden, progress
         result = engine.generate(prompt_ids, config, golden=golden, on_step=on_step)
         writer.finish(result.tokens, np.asarray(golden.tokens)[:config.max_new_tokens])
     except TraceError as e:
-        writer.close(status="failed")
+        _close(writer, "failed")
         raise UsageError(str(e)) from None
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (Terminated): every completed step stays
-        writer.close(status="interrupted")
+        _close(writer, "interrupted")
         raise
     except BaseException:
-        writer.close(status="failed")
+        _close(writer, "failed")
         raise
     finally:
         progress_bar.close()
     return result
+
+
+def _close(writer, status: str) -> None:
+    """Close a writer after an error; a close that fails too (a full disk) must not hide the first error."""
+    from kdspec.traces import TraceError
+    try:
+        writer.close(status=status)
+    except TraceError:
+        pass
 
 
 def _versions() -> dict[str, str]:

@@ -39,6 +39,12 @@ from kdspec.traces.schema import (
 )
 
 COMPRESSIONS = ("gzip", "lzf", None)
+# Free space the writer insists on: HDF5 fails in odd ways on a full disk (a RuntimeError, or a segfault with
+# a few KB left), so the writer stops with a TraceError first. Before creating a file (the schema is small):
+MIN_FREE_BYTES = 256 * 1024
+# ... and before each write, beyond the bytes it writes (metadata, the chunk index, the status at close):
+WRITE_RESERVE_BYTES = 128 * 1024
+HDF5_ERRORS = (OSError, ValueError, RuntimeError)
 GZIP_LEVEL = 1   # small chunks: level 1 is within a few % of level 4's size at a fraction of the time
 
 
@@ -160,6 +166,7 @@ class TraceWriter:
         self._last_write_time = math.nan
         try:
             self._remove_stale_temporaries()
+            self._check_free_space(MIN_FREE_BYTES + prepared["size"], "create the trace")
             self._create_file(prepared)
         except BaseException:
             self._remove_temporary()
@@ -200,7 +207,20 @@ class TraceWriter:
             offsets = np.zeros(len(pieces) + 1, dtype="<i8")
             offsets[1:] = np.cumsum([len(piece) for piece in pieces])
             vocabulary = (offsets, np.frombuffer(b"".join(pieces), dtype=np.uint8))
-        return {"attrs": attrs, "prompt": prompt, "vocabulary": vocabulary}
+        size = prompt.nbytes + (0 if vocabulary is None else vocabulary[0].nbytes + vocabulary[1].nbytes) + \
+            sum(len(str(v)) for v in attrs.values())
+        return {"attrs": attrs, "prompt": prompt, "vocabulary": vocabulary, "size": size}
+
+    def _check_free_space(self, needed: int, what: str) -> None:
+        """TraceError unless the output's file system has ``needed`` bytes free (statvfs; unknown: no check)."""
+        try:
+            stat = os.statvfs(os.path.dirname(self._temp_path))
+        except (OSError, AttributeError):
+            return
+        free = stat.f_bavail * stat.f_frsize
+        if free < needed:
+            raise TraceError(f"{self.path}: only {free // 1024} KB free on its file system, {-(-needed // 1024)} KB "
+                             f"needed to {what}")
 
     def _create_file(self, prepared: dict) -> None:
         try:
@@ -300,6 +320,8 @@ class TraceWriter:
         self._fill_row(row, record)
         index = self.num_steps
         row["time_trace_write_prev"] = self._last_write_time
+        step_bytes = row.nbytes + (0 if self._logits is None else self._logits_value.nbytes)
+        self._check_free_space(WRITE_RESERVE_BYTES + step_bytes, f"write step {index}")
         try:
             self._append_chunk(self._steps, index, row)
             if self._logits is not None:
@@ -307,7 +329,7 @@ class TraceWriter:
                 logits[:self._tau] = self._logits_value
                 self._append_chunk(self._logits, index, logits)
             self._file.flush()
-        except (OSError, ValueError) as e:
+        except HDF5_ERRORS as e:
             raise TraceError(f"{self.path}: writing step {index} failed ({_first_line(e)})") from None
         self._place()
         self.num_steps = index + 1
@@ -387,37 +409,54 @@ class TraceWriter:
 
     # -- end of run ---------------------------------------------------------------------------------
     def finish(self, output_tokens: Sequence[int], golden_tokens: Optional[Sequence[int]] = None) -> None:
-        """Record completion: output and golden tokens, end time, status "complete"; then close the file."""
+        """Record completion: output and golden tokens, end time, status "complete"; then close the file.
+
+        The status says "complete" only once the tokens have been flushed: a finish that fails (a full disk)
+        raises TraceError and leaves the trace "recording" (close it with a status, e.g. "failed")."""
         if self._file is None:
             raise TraceError(f"{self.path}: finish after the trace was closed")
+        tokens = {name: _int32_tokens(self.path, name, values) for name, values in
+                  (("output_tokens", output_tokens), ("golden_tokens", golden_tokens)) if values is not None}
+        self._check_free_space(WRITE_RESERVE_BYTES + sum(v.nbytes for v in tokens.values()), "finish the trace")
         try:
-            for name, tokens in (("output_tokens", output_tokens), ("golden_tokens", golden_tokens)):
-                if tokens is None:
-                    continue
-                values = _int32_tokens(self.path, name, tokens)
+            for name, values in tokens.items():
                 dataset = self._file[name]
                 dataset.resize(values.shape)
                 dataset[...] = values
-            attrs = self._file.attrs
-            attrs.modify("time_trace_write_last", self._last_write_time)
-            attrs.modify("end_time", _fixed(_now_iso()))
-            attrs.modify("status", _fixed("complete"))
+            self._file.attrs.modify("time_trace_write_last", self._last_write_time)
             self._file.flush()
-        except (OSError, ValueError) as e:
+        except HDF5_ERRORS as e:
+            raise TraceError(f"{self.path}: finishing the trace failed ({_first_line(e)})") from None
+        try:
+            self._file.attrs.modify("end_time", _fixed(_now_iso()))
+            self._file.attrs.modify("status", _fixed("complete"))
+            self._file.flush()
+        except HDF5_ERRORS as e:
+            self._mark("failed")  # what close() writes out must not say "complete"
             raise TraceError(f"{self.path}: finishing the trace failed ({_first_line(e)})") from None
         self._place()  # a run without steps
         self.close()
 
+    def _mark(self, status: str) -> None:
+        """Set status and end_time in the file, as far as HDF5 still can (a failing disk: best effort)."""
+        try:
+            self._file.attrs.modify("status", _fixed(status))
+            self._file.attrs.modify("end_time", _fixed(_now_iso()))
+        except HDF5_ERRORS:
+            pass
+
     def close(self, status: Optional[str] = None) -> None:
         """Close without finishing; the status stays "recording" unless given (e.g. "interrupted"). A
-        recording without a step in place is dropped: its temporary file goes, what was at the path stays."""
+        recording without a step in place is dropped: its temporary file goes, what was at the path stays.
+        TraceError when HDF5 cannot close the file (the writer is closed all the same)."""
         if self._file is None:
             return
         try:
             if status is not None and self._in_place:
-                self._file.attrs.modify("status", _fixed(status))
-                self._file.attrs.modify("end_time", _fixed(_now_iso()))
+                self._mark(status)
             self._file.close()
+        except HDF5_ERRORS as e:
+            raise TraceError(f"{self.path}: closing the trace failed ({_first_line(e)})") from None
         finally:
             self._file = None
             self._remove_temporary()
@@ -427,7 +466,11 @@ class TraceWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close("interrupted" if exc_type is not None else None)
+        try:
+            self.close("interrupted" if exc_type is not None else None)
+        except TraceError:
+            if exc_type is None:
+                raise   # else the exception in flight says more than the failed close
 
 
 def _fixed(text: str) -> np.ndarray:
