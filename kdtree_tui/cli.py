@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import signal
@@ -26,8 +27,37 @@ class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """--help states every option's default: "(default: X)" after its help, unless the help says it already;
+    flags read "(default: off)"; an option without help text still gets its default."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.option_strings and action.help is None:
+            action = copy.copy(action)
+            action.help = self.NO_HELP   # argparse formats no help at all, and so no default, without it
+        return super()._format_action(action)
+
+    NO_HELP = "\0"
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = "" if action.help == self.NO_HELP else action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.required:
+            return f"{text} (required)".strip()
+        if action.nargs == 0:   # store_true / store_false
+            return f"{text} (default: {'on' if action.default else 'off'})".strip()
+        if action.default is None:
+            return f"{text} (default: none)".strip()
+        return f"{text} (default: %(default)s)".strip()
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, with a usage error as one line (the usage itself is what --help shows)."""
+    """argparse, with a usage error as one line (the usage itself is what --help shows) and every default in
+    --help."""
+
+    def __init__(self, *args, formatter_class=DefaultsFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):
         _error_line(f"{self.prog}: error: {message} (see {self.prog} --help)")
@@ -240,7 +270,7 @@ def _device_name(backend: str) -> str:
 def _version() -> str:
     try:
         from importlib.metadata import version
-        return version("kdtree")
+        return version("kdspec")  # the distribution's name (the command is kdtree)
     except Exception:  # not installed as a distribution (running from a checkout)
         return "dev"
 
@@ -404,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="kdtree",
         description="See inside DDTree speculative decoding: record step traces of an MLA+MoE engine, replay them.")
+    parser.add_argument("--version", action="version", version=f"kdtree {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     p = sub.add_parser("config", help="print a model's configuration (preset name or model directory) as JSON")
@@ -420,17 +451,21 @@ def _add_record(p: argparse.ArgumentParser) -> None:
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="The tree",
                         help="prompt text, encoded with the model's tokenizer (its tokenizer.json; bytes for the presets)")
-    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--mode", choices=("ar", "ddtree"), default="ddtree")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (e.g. 1,2,3), instead of --prompt")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens to produce (the prefill's token counts)")
+    p.add_argument("--mode", choices=("ar", "ddtree"), default="ddtree",
+                   help="ar: one forward per token; ddtree: drafter + tree verify")
     p.add_argument("--drafter", help="oracle | noisy:P | dflash (the trained drafter beside the model) | dflash:DIR "
                                      "(ddtree only; default oracle)")
-    p.add_argument("--block-size", type=int, default=8, help="bonus token + drafted depths L (default 8)")
-    p.add_argument("--budget", type=int, default=7, help="tree node budget B (default 7)")
+    p.add_argument("--block-size", type=int, default=8, help="bonus token + drafted depths L (2..32 in ddtree: the "
+                   "compaction kernel moves at most 32 rows a step)")
+    p.add_argument("--budget", type=int, default=7, help="tree node budget B (at most 1024: the device tree build "
+                   "holds the tree in one block's shared memory)")
     p.add_argument("--topk", type=int, help="drafter top-K per depth (default min(B, V))")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=("auto", "cuda", "sim", "reference"), default="auto")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (Gumbel-max)")
+    p.add_argument("--seed", type=int, default=0, help="weights of a preset, sampling noise, the noisy drafter")
+    p.add_argument("--backend", choices=("auto", "cuda", "sim", "reference"), default="auto",
+                   help="auto: cuda with a GPU, else the simulator (toy presets) or reference")
     p.add_argument("--weight-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="device weight storage (bf16: half the memory, fp32 arithmetic)")
     p.add_argument("--out", required=True, help="trace file to write (.h5)")
@@ -450,7 +485,7 @@ def _add_trace_commands(sub) -> None:
     p.set_defaults(func=_cmd_info)
     p = sub.add_parser("export", help="a trace as rows (jsonl / csv, per step or --nodes) or Perfetto JSON")
     p.add_argument("trace")
-    p.add_argument("--format", choices=("jsonl", "csv", "perfetto"), default="jsonl")
+    p.add_argument("--format", choices=("jsonl", "csv", "perfetto"), default="jsonl", help="output format")
     p.add_argument("--nodes", action="store_true", help="one row per tree node instead of per step")
     p.add_argument("--out", metavar="FILE", help="write here (default: stdout)")
     p.set_defaults(func=_cmd_export)
@@ -468,7 +503,7 @@ def _add_trace_commands(sub) -> None:
 def _add_demo_and_bench(sub) -> None:
     p = sub.add_parser("demo", help="record a DDTree trace of the trained pycoder-mini with its trained drafter "
                                     "(on the GPU, else the CPU) and open it")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to produce")
     p.add_argument("--out", help="where to write the trace (default: a temporary directory)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.add_argument("--no-tui", action="store_true", help="record only; print the trace path")

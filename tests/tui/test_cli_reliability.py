@@ -5,6 +5,7 @@ Most cases call ``cli.main`` in-process (capsys); a few that need a real process
 """
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -342,3 +343,26 @@ def test_traces_missing_an_attribute_or_with_a_wrong_shaped_dataset_are_one_line
             pass
         finally:
             session.close()
+
+
+# -- --version, and every default in --help -------------------------------------------------------------------
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("kdtree ")
+
+
+def _parsers(parser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _parsers(child)
+
+
+def test_help_states_every_options_default():
+    for parser in _parsers(cli.build_parser()):
+        for action in parser._actions:
+            if not action.option_strings or action.default is argparse.SUPPRESS:
+                continue   # positionals, --help, --version
+            text = parser._get_formatter()._format_action(action)
+            assert "default" in text or "required" in text, (parser.prog, action.option_strings, text)
