@@ -9,6 +9,7 @@ import pytest
 
 from kdspec.traces import TraceError, TraceWriter, check, open_trace
 
+from killed_traces import write_killed_trace
 from test_traces import make_run, write_run
 
 RUN = dict(block_size=8, budget=7, draft_topk=7)
@@ -290,37 +291,10 @@ def test_check_of_a_consistent_run_still_passes(tmp_path):
 
 
 # -- defect 7: bounded SWMR retries ------------------------------------------------------------------------
-KILLED_WRITER = """
-import sys, time
-sys.path.insert(0, sys.argv[2])
-from test_traces import make_run
-from test_reliability import new_writer
-records, output, golden = make_run(1, 40, 8, 7, 7)
-writer = new_writer(sys.argv[1])
-for record in records:
-    writer.write_step(record)
-print("ready", flush=True)
-time.sleep(600)
-"""
-
-
 @pytest.fixture(scope="module")
 def killed_trace(tmp_path_factory):
     """A trace whose writer was SIGKILLed (still flagged open for writing: it opens in SWMR mode only)."""
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-    path = tmp_path_factory.mktemp("killed") / "killed.h5"
-    here = Path(__file__).resolve().parent
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(path), str(here)], stdout=subprocess.PIPE,
-                            text=True, cwd=here.parents[1])
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    return path
+    return write_killed_trace(tmp_path_factory.mktemp("killed") / "killed.h5", seed=1, steps=40)
 
 
 def test_a_killed_trace_with_flipped_bytes_fails_within_seconds(killed_trace, tmp_path):

@@ -12,7 +12,6 @@ import contextlib
 import io
 import itertools
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,28 +23,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from killed_traces import write_killed_trace
+
 from kdspec.kdtree_tui import cli
 from kdspec.kdtree_tui.session import TraceSession
 from kdspec.traces import TraceError
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACES = ROOT / "tests" / "traces"
 TIME_LIMIT = 10.0
 EXAMPLES = int(os.environ.get("KDTREE_FUZZ_EXAMPLES", "240"))
-
-KILLED_WRITER = """
-import sys, time
-sys.path.insert(0, sys.argv[2])
-from test_traces import make_run
-from test_reliability import new_writer
-records, output, golden = make_run(3, 30, 8, 7, 7)
-writer = new_writer(sys.argv[1])
-for record in records:
-    writer.write_step(record)
-print("ready", flush=True)
-time.sleep(600)
-"""
-
 
 @pytest.fixture(scope="module")
 def originals(tmp_path_factory):
@@ -59,14 +45,7 @@ def originals(tmp_path_factory):
             assert cli.main(["record", "--model", model, "--backend", "reference", "--max-new-tokens", "12",
                              "--drafter", "noisy:0.6", "--out", str(path)]) == 0
         found[name] = path.read_bytes()
-    killed = directory / "killed.h5"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(killed), str(TRACES)], stdout=subprocess.PIPE,
-                            text=True, cwd=ROOT)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    killed = write_killed_trace(directory / "killed.h5", seed=3, steps=30)
     found["killed"] = killed.read_bytes()
     return found
 
