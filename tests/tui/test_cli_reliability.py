@@ -147,7 +147,7 @@ def test_a_failed_record_with_force_keeps_the_old_trace(small_trace, tmp_path, c
 
 FIRST_STEP_LATER = """
 import sys
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], sys.argv[3]]   # tests/traces and tests/ (killed_traces.py)
 from test_traces import make_run
 from test_reliability import new_writer
 records, output, golden = make_run(1, 2, 8, 7, 7)
@@ -165,10 +165,12 @@ def test_follow_waits_for_a_recordings_first_step(small_trace, tmp_path, capsys)
     import time
     out = tmp_path / "live.h5"
     out.write_bytes(small_trace.read_bytes())   # an old trace there: the follower must not open it
-    proc = subprocess.Popen([sys.executable, "-c", FIRST_STEP_LATER, str(out), str(ROOT / "tests" / "traces")],
+    proc = subprocess.Popen([sys.executable, "-c", FIRST_STEP_LATER, str(out), str(ROOT / "tests" / "traces"),
+                             str(ROOT / "tests")],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
     try:
-        assert proc.stdout.readline().strip() == "open"
+        first_line = proc.stdout.readline().strip()
+        assert first_line == "open", proc.communicate(timeout=30)
         waiter = threading.Thread(target=cli.wait_for_first_step, args=(str(out), 0.05))
         waiter.start()
         time.sleep(0.5)
