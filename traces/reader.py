@@ -17,7 +17,8 @@ from typing import Any, Iterable, Optional
 import h5py
 import numpy as np
 
-from kdspec.traces.schema import COLUMNS, FORMAT_NAME, MODES, SCHEMA_VERSION, STEP_FIELDS, TraceDims, TraceError
+from kdspec.traces.schema import (COLUMNS, FORMAT_NAME, LOGITS_KEYS, MODES, SCHEMA_VERSION, STEP_FIELDS, TraceDims,
+                                  TraceError)
 
 _JSON_ATTRS = ("model_config", "decode_config", "versions")
 _REQUIRED = object()
@@ -39,7 +40,8 @@ BLOCK_ROWS = 8192
 
 def _step_record_fields() -> list[tuple]:
     """StepRecord's fields, from the schema: the step index, every step field in row order (the stored
-    time_trace_write_prev un-shifted into this step's time_trace_write), then the optional logits."""
+    time_trace_write_prev un-shifted into this step's time_trace_write), then the optional logits and golden
+    logits (schema.LOGITS_KEYS)."""
     found: list[tuple] = [("index", int)]
     for f in STEP_FIELDS:
         if f.name == "time_trace_write_prev":
@@ -48,7 +50,7 @@ def _step_record_fields() -> list[tuple]:
             found.append((f.name, int if np.dtype(f.dtype).kind == "i" else float))
         else:
             found.append((f.name, np.ndarray))
-    return found + [("logits", Optional[np.ndarray], field(default=None))]
+    return found + [(name, Optional[np.ndarray], field(default=None)) for name in LOGITS_KEYS]
 
 
 def _as_dict(self) -> dict[str, Any]:
@@ -60,10 +62,12 @@ StepRecord.__module__ = __name__
 StepRecord.__doc__ = """One step, arrays trimmed to their true lengths (N+1 nodes, tau path entries).
 
     Fields: ``index``, the schema's (traces/schema.py STEP_FIELDS) in row order with ``time_trace_write``
-    for the stored time_trace_write_prev, then ``logits``. Scalars are Python ints/floats; arrays as stored
-    (int32 token ids / indices, float32 values). draft_* [L, K]; tree_*, target_choice, target_margin [N+1];
-    target_topk_* [N+1, T]; accepted_nodes, committed_tokens, golden_tokens, logit_max_abs_diff, compact_*
-    [tau]; logits [tau, V] float32 or None when the trace has no logits. time_trace_write: seconds spent
+    for the stored time_trace_write_prev, then ``logits`` and ``golden_logits``. Scalars are Python
+    ints/floats; arrays as stored (int32 token ids / indices, float32 values). draft_* [L, K]; tree_*,
+    target_choice, target_margin [N+1]; target_topk_* [N+1, T]; accepted_nodes, committed_tokens,
+    golden_tokens, logit_max_abs_diff, compact_* [tau]; logits [tau, V] float32 or None when the trace has no
+    logits; golden_logits [tau, V] float64 (NaN rows: the golden was not recorded there) or None when the
+    trace has none (no logits, or recorded before golden_logits existed). time_trace_write: seconds spent
     writing this step (NaN while unknown: the last step of an unfinished trace).
     """
 
@@ -104,6 +108,13 @@ class TraceReader:
             if self._logits is not None and self._logits.shape[1] != self.dims.path_width:
                 raise TraceError(f"{self.path}: dataset 'logits' has {self._logits.shape[1]} rows a step, "
                                  f"expected block_size {self.dims.path_width}")
+            # Traces recorded before golden_logits existed have logits only.
+            self._golden_logits = self._dataset("golden_logits", ndim=3) \
+                if self._logits is not None and "golden_logits" in self._file else None
+            golden = self._golden_logits
+            if golden is not None and (golden.shape[1:] != self._logits.shape[1:] or golden.dtype.kind != "f"):
+                raise TraceError(f"{self.path}: dataset 'golden_logits' is {golden.dtype}{list(golden.shape[1:])} a "
+                                 f"step, expected floats {list(self._logits.shape[1:])} (as 'logits')")
             self.num_steps = self._count_steps()
         except TraceError:
             self.close()
@@ -216,8 +227,9 @@ class TraceReader:
 
     def _count_steps(self) -> int:
         count = self._steps.shape[0]
-        if self._logits is not None:
-            count = min(count, self._logits.shape[0])
+        for extra in (self._logits, self._golden_logits):
+            if extra is not None:
+                count = min(count, extra.shape[0])
         # A row whose extent reached the disk before its data did holds HDF5's fill value: tau 0.
         while count and int(self._read(self._steps, count - 1, "tau")) == 0:
             count -= 1
@@ -235,6 +247,7 @@ class TraceReader:
             i = self._check_index(index)
             rows = self._read(self._steps, slice(i, min(i + 2, self.num_steps)))
             logits = np.array(self._read(self._logits, i)) if self._logits is not None else None
+            golden = np.array(self._read(self._golden_logits, i)) if self._golden_logits is not None else None
         row = rows[0]
         tau, num_nodes = int(row["tau"]), int(row["num_nodes"])
         if not (1 <= num_nodes <= self.dims.node_width and 1 <= tau <= min(self.dims.path_width, num_nodes)):
@@ -256,6 +269,8 @@ class TraceReader:
             float(self.metadata.get("time_trace_write_last", np.nan)) if i == self.num_steps - 1 else np.nan
         if logits is not None:
             values["logits"] = logits[:tau]
+        if golden is not None:
+            values["golden_logits"] = golden[:tau]
         return StepRecord(**values)
 
     def _check_index(self, index: int) -> int:

@@ -85,6 +85,9 @@ STEP_FIELDS: tuple[Field, ...] = (
     Field("compact_dst", "path", "i4", "cache row", "compaction moves: destination row P+j"),
 )
 FIELDS_BY_NAME = {f.name: f for f in STEP_FIELDS}
+# Record keys beyond the row's fields, stored (with save_logits) in datasets of their own [S, L+1, V]:
+# the engine's logits at the committed positions and, when the run has a golden, the golden's there.
+LOGITS_KEYS = ("logits", "golden_logits")
 # The record fields the writer derives itself (lengths) or measures (its own write time).
 DERIVED_FIELDS = ("num_nodes", "tau", "time_trace_write_prev")
 SCALAR_COLUMNS = tuple(f.name for f in STEP_FIELDS if f.kind == "scalar" and f.name != "time_trace_write_prev")

@@ -31,6 +31,7 @@ from kdspec.traces.schema import (
     DERIVED_FIELDS,
     FIELDS_BY_NAME,
     FORMAT_NAME,
+    LOGITS_KEYS,
     MODES,
     SCHEMA_VERSION,
     STAGES,
@@ -120,7 +121,9 @@ class TraceWriter:
         path: the .h5 file to create. An existing file is a TraceError unless ``force``.
         run: the run's metadata (RunMetadata); the decode_config gives the trace's widths.
         save_logits: also store float32 logits [steps, L+1, V] of the committed positions (small V only);
-            every record must then carry ``logits`` [tau, V], and model_config its vocab_size.
+            every record must then carry ``logits`` [tau, V], and model_config its vocab_size. A record may
+            also carry ``golden_logits`` [tau, V] (the golden's logits at the same positions, NaN where the
+            golden does not reach), stored as float64 in ``golden_logits``; a step without it takes no space.
         compression: "gzip" (default), "lzf" or None.
         lock: the output's OutputLock when the caller took it already (the writer then owns it); by default
             the writer takes it. Either way it is held until close(): a second writer of ``path`` is refused.
@@ -287,13 +290,15 @@ class TraceWriter:
         self._steps = f.create_dataset("steps", shape=(0,), maxshape=(None,), dtype=d.row_dtype(),
                                        chunks=(1,), compression=compression,
                                        compression_opts=GZIP_LEVEL if compression == "gzip" else None)
-        self._logits = None
+        self._logits = self._golden_logits = None
         if self.save_logits:
-            self._logits = f.create_dataset("logits", shape=(0, d.path_width, self.vocab_size),
-                                            maxshape=(None, d.path_width, self.vocab_size), dtype="<f4",
-                                            chunks=(1, d.path_width, self.vocab_size), compression=compression,
-                                            compression_opts=GZIP_LEVEL if compression == "gzip" else None,
-                                            fillvalue=np.nan)
+            # golden_logits: a step whose record has none writes no chunk (it reads as the fill value, NaN)
+            self._logits, self._golden_logits = (
+                f.create_dataset(name, shape=(0, d.path_width, self.vocab_size),
+                                 maxshape=(None, d.path_width, self.vocab_size), dtype=dtype,
+                                 chunks=(1, d.path_width, self.vocab_size), compression=compression,
+                                 compression_opts=GZIP_LEVEL if compression == "gzip" else None, fillvalue=np.nan)
+                for name, dtype in (("logits", "<f4"), ("golden_logits", "<f8")))
         for name in ("output_tokens", "golden_tokens"):
             f.create_dataset(name, shape=(0,), maxshape=(None,), dtype="<i4", chunks=(1024,))
 
@@ -320,20 +325,29 @@ class TraceWriter:
         self._fill_row(row, record)
         index = self.num_steps
         row["time_trace_write_prev"] = self._last_write_time
-        step_bytes = row.nbytes + (0 if self._logits is None else self._logits_value.nbytes)
+        step_bytes = row.nbytes + (0 if self._logits is None else self._logits_value.nbytes) + \
+            (0 if self._golden_value is None else self._golden_value.nbytes)
         self._check_free_space(WRITE_RESERVE_BYTES + step_bytes, f"write step {index}")
         try:
             self._append_chunk(self._steps, index, row)
             if self._logits is not None:
-                logits = np.full(self._logits.shape[1:], np.nan, dtype="<f4")
-                logits[:self._tau] = self._logits_value
-                self._append_chunk(self._logits, index, logits)
+                self._append_padded(self._logits, index, self._logits_value, "<f4")
+                if self._golden_value is None:  # no chunk: the step reads as NaN (not measured)
+                    self._golden_logits.id.set_extent((index + 1, self.dims.path_width, self.vocab_size))
+                else:
+                    self._append_padded(self._golden_logits, index, self._golden_value, "<f8")
             self._file.flush()
         except HDF5_ERRORS as e:
             raise TraceError(f"{self.path}: writing step {index} failed ({_first_line(e)})") from None
         self._place()
         self.num_steps = index + 1
         self._last_write_time = time.perf_counter() - start
+
+    def _append_padded(self, dataset: h5py.Dataset, index: int, value: np.ndarray, dtype: str) -> None:
+        """Store ``value`` [tau, V] as step ``index`` of a [S, L+1, V] dataset, NaN past tau."""
+        padded = np.full((self.dims.path_width, self.vocab_size), np.nan, dtype=dtype)
+        padded[:len(value)] = value
+        self._append_chunk(dataset, index, padded)
 
     def _append_chunk(self, dataset: h5py.Dataset, index: int, value: np.ndarray) -> None:
         """Grow ``dataset`` to index+1 steps and store ``value`` (one step, the dataset's exact dtype) as
@@ -359,7 +373,7 @@ class TraceWriter:
         missing = self._expected_keys - self._optional_keys - keys
         if missing:
             raise TraceError(f"{self.path}: step {self.num_steps} record lacks {sorted(missing)}")
-        unknown = keys - self._expected_keys - {"num_nodes", "tau", "logits"}
+        unknown = keys - self._expected_keys - {"num_nodes", "tau"} - set(LOGITS_KEYS)
         if unknown:
             raise TraceError(f"{self.path}: step {self.num_steps} record has unknown fields {sorted(unknown)}")
         num_nodes = np.shape(record["tree_tokens"])[0] if np.ndim(record["tree_tokens"]) == 1 else -1
@@ -399,6 +413,7 @@ class TraceWriter:
             else:
                 row[name][0][tuple(slice(0, n) for n in want)] = value
         self._tau = tau
+        self._golden_value = None
         if self.save_logits:
             logits = np.asarray(record.get("logits"), dtype=np.float32) if "logits" in record else None
             if logits is None or logits.shape != (tau, self.vocab_size):
@@ -406,6 +421,15 @@ class TraceWriter:
                 raise TraceError(f"{self.path}: step {self.num_steps}: save_logits needs logits [tau, V] = "
                                  f"{[tau, self.vocab_size]}, got {got}")
             self._logits_value = logits
+            if record.get("golden_logits") is not None:
+                golden = np.asarray(record["golden_logits"])
+                if golden.shape != (tau, self.vocab_size):
+                    raise TraceError(f"{self.path}: step {self.num_steps}: golden_logits must have shape [tau, V] = "
+                                     f"{[tau, self.vocab_size]}, got {list(golden.shape)}")
+                problem = _unstorable(golden, "<f8")
+                if problem:
+                    raise TraceError(f"{self.path}: step {self.num_steps}: golden_logits {problem}")
+                self._golden_value = golden.astype(np.float64)
 
     # -- end of run ---------------------------------------------------------------------------------
     def finish(self, output_tokens: Sequence[int], golden_tokens: Optional[Sequence[int]] = None) -> None:

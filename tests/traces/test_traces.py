@@ -21,14 +21,15 @@ MODEL_CONFIG = {"name": "tiny", "vocab_size": 64, "hidden_size": 32}
 
 
 def make_run(seed, num_steps, block_size, budget, draft_topk, vocab=64, prompt_len=5, diverge_at=None,
-             logits=False):
+             logits=False, golden_logits=()):
     """Consistent random DDTree (or AR when block_size == 1) records.
 
     Returns (records, output_tokens, golden_tokens); as the engine's, the output is the prefill's token
     (step 0's root) followed by every step's committed tokens. Trees: every node's parent is an earlier node of
     depth < L, its token the drafter's token at (depth, rank); the accepted path is a random root-down
     chain; committed = path tokens after the root + bonus. With diverge_at, the golden's first token at
-    that step differs from the committed one.
+    that step differs from the committed one. golden_logits: the steps whose records carry float64
+    ``golden_logits`` [tau, V] (with logits=True).
     """
     rng = np.random.default_rng(seed)
     L, K, B = block_size - 1, draft_topk, budget
@@ -85,6 +86,8 @@ def make_run(seed, num_steps, block_size, budget, draft_topk, vocab=64, prompt_l
             record["draft_ids"], record["draft_logprobs"] = draft_ids, draft_lp
         if logits:
             record["logits"] = rng.standard_normal((tau, vocab)).astype(np.float32)
+            if step in golden_logits:
+                record["golden_logits"] = record["logits"] + rng.uniform(-1e-5, 1e-5, (tau, vocab))
         records.append(record)
         output.extend(committed.tolist())
         golden_out.extend(golden.tolist())
@@ -119,7 +122,7 @@ def assert_one_line_error(excinfo, path):
 
 @pytest.mark.parametrize("block_size,budget,draft_topk", [(8, 7, 7), (4, 9, 3), (8, 3, 2), (2, 1, 1)])
 def test_every_field_reads_back_as_written(tmp_path, block_size, budget, draft_topk):
-    records, output, golden = make_run(1, 12, block_size, budget, draft_topk, logits=True)
+    records, output, golden = make_run(1, 12, block_size, budget, draft_topk, logits=True, golden_logits=range(12))
     path = tmp_path / "run.h5"
     write_run(path, records, output, golden, block_size=block_size, budget=budget, draft_topk=draft_topk,
               save_logits=True)
@@ -379,6 +382,80 @@ def test_same_records_give_same_contents(tmp_path):
         for i in range(a.num_steps):
             np.testing.assert_array_equal(a.step(i).logits, b.step(i).logits)
         np.testing.assert_array_equal(a.output_tokens, b.output_tokens)
+
+
+def test_golden_logits_read_back_and_steps_without_them_take_no_space(tmp_path):
+    """Records carrying golden_logits [tau, V] read back exactly (float64); a step without them reads as NaN
+    [tau, V] and allocates no chunk of the dataset."""
+    with_golden = {0, 3, 4, 9}
+    records, output, golden = make_run(11, 10, 4, 6, 3, logits=True, golden_logits=with_golden)
+    path = tmp_path / "golden.h5"
+    write_run(path, records, output, golden, block_size=4, budget=6, draft_topk=3, save_logits=True)
+    with open_trace(path) as r:
+        for i, record in enumerate(records):
+            step = r.step(i)
+            tau = len(record["accepted_nodes"])
+            assert step.golden_logits.shape == (tau, MODEL_CONFIG["vocab_size"])
+            assert step.golden_logits.dtype == np.float64
+            if i in with_golden:
+                np.testing.assert_array_equal(step.golden_logits, record["golden_logits"])
+            else:
+                assert np.isnan(step.golden_logits).all()
+            np.testing.assert_array_equal(step.logits, record["logits"])
+    with h5py.File(path, "r") as f:
+        assert f["golden_logits"].shape == (10, 4, MODEL_CONFIG["vocab_size"])
+        assert f["golden_logits"].id.get_num_chunks() == len(with_golden)
+        assert f["logits"].id.get_num_chunks() == 10
+
+
+@pytest.mark.parametrize("compression", ["gzip", "lzf", None])
+def test_golden_logits_with_every_compression(tmp_path, compression):
+    records, output, golden = make_run(12, 3, 4, 6, 3, logits=True, golden_logits={1})
+    path = tmp_path / "c.h5"
+    write_run(path, records, output, golden, block_size=4, budget=6, draft_topk=3, save_logits=True,
+              compression=compression)
+    with open_trace(path) as r:
+        np.testing.assert_array_equal(r.step(1).golden_logits, records[1]["golden_logits"])
+        assert np.isnan(r.step(0).golden_logits).all() and np.isnan(r.step(2).golden_logits).all()
+
+
+def test_traces_without_golden_logits_still_read(tmp_path):
+    """A trace recorded before golden_logits existed (logits only) and one without save_logits read; golden_logits
+    is None there. Without save_logits a record's golden_logits are not stored (as its logits)."""
+    records, output, golden = make_run(13, 4, 4, 6, 3, logits=True, golden_logits={0, 1, 2, 3})
+    older = tmp_path / "older.h5"
+    write_run(older, records, output, golden, block_size=4, budget=6, draft_topk=3, save_logits=True)
+    with h5py.File(older, "r+") as f:
+        del f["golden_logits"]
+    plain = tmp_path / "plain.h5"
+    write_run(plain, records, output, golden, block_size=4, budget=6, draft_topk=3)
+    with open_trace(older) as r:
+        assert r.num_steps == 4 and check(r)[0] == 0
+        for i, record in enumerate(records):
+            step = r.step(i)
+            assert step.golden_logits is None
+            np.testing.assert_array_equal(step.logits, record["logits"])
+    with open_trace(plain) as r:
+        assert r.step(0).logits is None and r.step(0).golden_logits is None
+    with h5py.File(plain, "r") as f:
+        assert "golden_logits" not in f and "logits" not in f
+
+
+def test_bad_golden_logits_are_rejected(tmp_path):
+    records, _, _ = make_run(14, 1, 4, 6, 3, logits=True)
+    good = records[0]
+    tau = len(good["accepted_nodes"])
+    run = RunMetadata(decode_config(4, 6, 3), MODEL_CONFIG, "b", "d", [1])
+    with TraceWriter(tmp_path / "g.h5", run, save_logits=True) as writer:
+        for bad, needle in ((np.zeros((tau + 1, 64)), "golden_logits must have shape"),
+                            (np.zeros((tau, 63)), "golden_logits must have shape"),
+                            (np.full((tau, 64), "x"), "golden_logits must hold numbers")):
+            with pytest.raises(TraceError) as excinfo:
+                writer.write_step({**good, "golden_logits": bad})
+            assert needle in str(excinfo.value) and "\n" not in str(excinfo.value)
+        writer.write_step({**good, "golden_logits": None})  # None: not recorded
+    with open_trace(tmp_path / "g.h5") as r:
+        assert r.num_steps == 1 and np.isnan(r.step(0).golden_logits).all()
 
 
 def doc_table(heading: str) -> list[list[str]]:
