@@ -5,10 +5,15 @@
 
 Backends (docs/architecture.md, "Backends"): "reference" runs the float64 golden model itself as the engine; "sim" and
 "cuda" run the Numba device model (engine/device/model.py); "auto" takes the best available one.
+
+The golden (the float64 AR run a decode is compared with) runs where ``Engine.plan_golden`` says: "cpu" (numpy),
+"gpu" (the same math in torch float64 on the GPU) or "none"; "auto" takes the GPU for a run on cuda whose float64
+weights fit the GPU's free memory, else the CPU while they fit half the RAM, else none.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -25,6 +30,13 @@ from kdspec.engine.model.drafter import DRAFTER_DIR, DrafterError, load_drafter
 
 BACKENDS = ("reference", "sim", "cuda", "auto")
 WEIGHT_DTYPES = ("float32", "bfloat16")
+GOLDENS = ("auto", "cpu", "gpu", "none")
+# "auto" computes the golden on the CPU only while its float64 weights (8 bytes a parameter) take at most this
+# share of the RAM: the numpy golden holds them there, and past it the host would swap (or the run take hours).
+GOLDEN_RAM_SHARE = 0.5
+# ... and on the GPU only when its float64 weights leave this much of the free GPU memory for activations, the
+# golden's cache and its logits (a prefill's [P, V] float64).
+GOLDEN_GPU_HEADROOM = 2 << 30
 
 
 class BackendUnavailable(RuntimeError):
@@ -57,6 +69,42 @@ def _physical_memory() -> int:
         return 0
 
 
+def gpu_golden_unavailable() -> str | None:
+    """Why the golden cannot run on a GPU here (no torch, or torch without a CUDA GPU), or None when it can."""
+    try:
+        import torch
+    except ImportError:
+        return "the GPU golden needs torch with CUDA (pip install 'kdspec[gpu]')"
+    if not torch.cuda.is_available():
+        return f"the GPU golden needs a CUDA GPU, and torch {torch.__version__} sees none"
+    return None
+
+
+def _free_gpu_memory() -> int:
+    """Bytes a new allocation can take on the current GPU: the driver's free memory plus what torch's caching
+    allocator holds unused (the device model allocates through it)."""
+    import torch
+    free, _ = torch.cuda.mem_get_info()
+    return int(free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class GoldenPlan:
+    """Where the golden runs: ``where`` "cpu" (numpy), "gpu" (torch float64 on cuda) or "none", and why."""
+
+    where: str
+    reason: str
+
+    @property
+    def device(self) -> str | None:
+        """The torch device of Engine.golden's ``device`` argument: None (numpy) on the CPU, "cuda" on the GPU."""
+        return "cuda" if self.where == "gpu" else None
+
+
 class Engine:
     """A loaded model ready to decode. ``cfg`` the ModelConfig, ``backend`` the one in use, ``model`` the
     object with the model protocol, ``reference`` the float64 golden over the same weights, ``weight_dtype`` how
@@ -85,24 +133,66 @@ class Engine:
             self._reference = ReferenceModel(self.cfg, weights)
         return self._reference
 
+    def golden_bytes(self) -> int:
+        """The golden's float64 weights: 8 bytes a parameter."""
+        return 8 * sum(int(w.size) for w in self.weights.values())
+
+    def plan_golden(self, choice: str = "auto") -> GoldenPlan:
+        """Where the golden runs for ``choice`` (GOLDENS). "gpu" raises BackendUnavailable without torch + CUDA.
+        "auto": the GPU for a run on cuda when the float64 weights fit the free GPU memory (less
+        GOLDEN_GPU_HEADROOM), else the CPU when they take at most GOLDEN_RAM_SHARE of the RAM, else none."""
+        if choice not in GOLDENS:
+            raise ValueError(f"golden must be one of {', '.join(GOLDENS)}, got {choice!r}")
+        if choice == "gpu":
+            missing = gpu_golden_unavailable()
+            if missing:
+                raise BackendUnavailable(missing)
+            return GoldenPlan("gpu", "asked for")
+        if choice != "auto":
+            return GoldenPlan(choice, "asked for")
+        need, ram = self.golden_bytes(), _physical_memory()
+        if self.backend == "cuda" and gpu_golden_unavailable() is None:
+            free = _free_gpu_memory()
+            if need + GOLDEN_GPU_HEADROOM <= free:
+                return GoldenPlan("gpu", f"float64 weights {_gib(need)} fit the GPU's {_gib(free)} free")
+        if need <= GOLDEN_RAM_SHARE * ram:
+            return GoldenPlan("cpu", f"float64 weights {_gib(need)} within half the RAM ({_gib(ram)})")
+        return GoldenPlan("none", f"float64 weights {_gib(need)} exceed half the RAM ({_gib(ram)})"
+                          + (" and the free GPU memory" if self.backend == "cuda" else ""))
+
     def encode_prompt(self, prompt: Union[str, np.ndarray, list]) -> np.ndarray:
         """Text (the model's tokenizer) or token ids -> int64 [P0]. Ids are checked by generate()."""
         return np.asarray(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
 
-    def golden(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: Optional[int] = None) -> GoldenRun:
-        """The float64 golden AR run of ``max_new_tokens`` after ``prompt`` (engine.reference.decode)."""
+    def golden(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
+               device: str | None = None) -> GoldenRun:
+        """The float64 golden AR run of ``max_new_tokens`` after ``prompt`` (engine.golden.model.decode).
+
+        device: None computes with numpy (``reference``); a torch device ("cuda", "cpu") runs the same math in
+        torch float64 there, its weights widened on it for this call only (freed after). The run is on the host.
+        """
         seed = self.seed if seed is None else seed
         temperature = check_temperature(temperature)  # before the prefill, not at the first token
-        return decode(self.reference, self.encode_prompt(prompt), max_new_tokens, temperature, seed)
+        if device is None:
+            return decode(self.reference, self.encode_prompt(prompt), max_new_tokens, temperature, seed)
+        model = ReferenceModel(self.cfg, self.weights, device=device)
+        try:
+            return decode(model, self.encode_prompt(prompt), max_new_tokens, temperature, seed)
+        finally:
+            del model
+            if str(device).startswith("cuda"):
+                import torch
+                torch.cuda.empty_cache()  # the float64 weights go back for the engine's run
 
-    def golden_for(self, prompt, config: DecodeConfig) -> GoldenRun:
+    def golden_for(self, prompt, config: DecodeConfig, device: str | None = None) -> GoldenRun:
         """The golden run a decode with ``config`` compares against (and an oracle drafter follows): checks the
         prompt and ``config`` against the model first, so a bad argument never waits for it. DDTree reaches
-        block_size tokens further, covering the last step's overshoot."""
+        block_size tokens further, covering the last step's overshoot. ``device`` as for ``golden``."""
         run = config.resolved(self.cfg.vocab_size)
         ids = check_prompt(self.cfg, self.encode_prompt(prompt), run.max_new_tokens)
         reach = min(run.max_new_tokens + run.block_size, self.cfg.max_position_embeddings - len(ids))
-        return self.golden(ids, reach if run.mode == "ddtree" else run.max_new_tokens, run.temperature, run.seed)
+        return self.golden(ids, reach if run.mode == "ddtree" else run.max_new_tokens, run.temperature, run.seed,
+                           device)
 
     def block_drafter(self, directory: Optional[str], top_k: int) -> BlockDrafter:
         """The trained block drafter in ``directory`` (None: ``drafter/`` beside the model) for this target."""

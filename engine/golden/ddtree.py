@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kdspec.engine.golden.arrays import namespace
+
 
 @dataclass
 class Tree:
@@ -161,7 +163,7 @@ def move_rows(rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
     """rows[dst[j]] = rows[src[j]] for every j, in place, every source read before any destination is written."""
     if len(src) and (src.max() >= rows.shape[0] or src.min() < 0):
         raise ValueError(f"compaction source rows {src.min()}..{src.max()} outside the cache of {rows.shape[0]} rows")
-    rows[dst] = rows[src].copy()  # the copy: all sources read before any destination is written
+    rows[dst] = namespace(rows).copy(rows[src])  # the copy: all sources read before any destination is written
 
 
 def compact_rows(rows: np.ndarray, prefix_len: int, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,9 @@ Semantics follow the official DeepSeek-V3 ``inference/model.py`` (RoPE on adjace
 ``precompute_freqs_cis``, absorbed MLA, noaux_tc gate) plus HF's choices where the two differ (YaRN applied
 whenever ``rope_scaling`` is set, cos/sin times HF's mscale ratio, ``norm_topk_prob``).
 Everything computes in float64; float32 weights are widened where they are used.
-Kernels are tested against these functions; engine/reference.py builds the model from them and re-exports them.
+Kernels are tested against these functions; engine/golden/model.py builds the model from them.
+Each function computes with the namespace of its arrays (arrays.py): numpy for numpy arrays, the same math on a
+torch device for torch tensors (the golden on a GPU), so there is one definition of the reference.
 
 Dimension letters: s query tokens, t key rows, h heads, d hidden, c kv_lora_rank, n qk_nope_head_dim,
 r qk_rope_head_dim, v v_head_dim, e routed experts, k experts per token, f FFN width, V vocab.
@@ -15,6 +17,7 @@ import math
 
 import numpy as np
 
+from kdspec.engine.golden.arrays import namespace
 from kdspec.engine.model.config import ModelConfig
 
 # linear() widens weights to float64 in row blocks of this many elements, so a [V, d] LM head of a
@@ -22,36 +25,40 @@ from kdspec.engine.model.config import ModelConfig
 _WIDEN_BLOCK_ELEMENTS = 1 << 24
 
 
-def f64(a) -> np.ndarray:
-    return np.asarray(a, dtype=np.float64)
+def f64(a, xp=None):
+    """``a`` as float64 in namespace ``xp`` (default: its own; a numpy array moves to xp's torch device)."""
+    xp = namespace(a) if xp is None else xp
+    return xp.asarray(a, dtype=xp.float64)
 
 
 def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """x [..., in] @ weight[out, in]^T -> [..., out] float64 (torch.nn.Linear layout, no bias)."""
-    x = f64(x)
+    xp = namespace(x, weight)
+    x = f64(x, xp)
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input width {x.shape[-1]} does not match weight {tuple(weight.shape)}")
     rows = max(1, _WIDEN_BLOCK_ELEMENTS // max(1, weight.shape[1]))
     if weight.shape[0] <= rows:
-        return x @ f64(weight).T
-    out = np.empty(x.shape[:-1] + (weight.shape[0],), dtype=np.float64)
+        return x @ f64(weight, xp).T
+    out = xp.empty(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=xp.float64)
     for start in range(0, weight.shape[0], rows):
-        out[..., start:start + rows] = x @ f64(weight[start:start + rows]).T
+        out[..., start:start + rows] = x @ f64(weight[start:start + rows], xp).T
     return out
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x [..., d] -> x / sqrt(mean(x^2) + eps) * weight, float64."""
-    x = f64(x)
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * f64(weight)
+    xp = namespace(x, weight)
+    x = f64(x, xp)
+    return x / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps) * f64(weight, xp)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    return x / (1.0 + namespace(x).exp(-x))
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
+    return 1.0 / (1.0 + namespace(x).exp(-x))
 
 
 def swiglu(x: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray) -> np.ndarray:
@@ -107,13 +114,14 @@ def rope_cos_sin(cfg: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, n
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate adjacent pairs (x[2i], x[2i+1]) by angle i. x [s, ..., r]; cos, sin [s, r/2] -> [s, ..., r]."""
-    x = f64(x)
+    xp = namespace(x, cos, sin)
+    x = f64(x, xp)
     if x.shape[0] != cos.shape[0] or x.shape[-1] != 2 * cos.shape[-1]:
-        raise ValueError(f"apply_rope: x {x.shape} does not fit cos/sin {cos.shape}")
+        raise ValueError(f"apply_rope: x {tuple(x.shape)} does not fit cos/sin {tuple(cos.shape)}")
     expand = (slice(None),) + (None,) * (x.ndim - 2) + (slice(None),)  # [s, 1.., r/2]
-    c, s_ = cos[expand], sin[expand]
+    c, s_ = f64(cos, xp)[expand], f64(sin, xp)[expand]
     even, odd = x[..., 0::2], x[..., 1::2]
-    out = np.empty_like(x)
+    out = xp.empty_like(x)
     out[..., 0::2] = even * c - odd * s_
     out[..., 1::2] = even * s_ + odd * c
     return out
@@ -123,27 +131,29 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 def split_kv_b(cfg: ModelConfig, kv_b_weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """kv_b_proj weight [h*(n+v), c] -> W_UK [h, n, c], W_UV [h, v, c] (float64)."""
     h, n, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    w = f64(kv_b_weight).reshape(h, n + v, cfg.kv_lora_rank)
+    w = f64(kv_b_weight).reshape(h, n + v, cfg.kv_lora_rank)  # in the weight's namespace
     return w[:, :n], w[:, n:]
 
 
 def _check_attention_inputs(q_pe, kv_c, k_pe, visibility) -> None:
+    xp = namespace(q_pe, visibility)
     s, t = q_pe.shape[0], kv_c.shape[0]
-    if k_pe.shape[0] != t or visibility.shape != (s, t):
+    if k_pe.shape[0] != t or tuple(visibility.shape) != (s, t):
         raise ValueError(f"attention: {s} queries over {t} latent rows and {k_pe.shape[0]} rope rows need "
-                         f"visibility [{s}, {t}], got {visibility.shape}")
-    if visibility.dtype != np.bool_:
+                         f"visibility [{s}, {t}], got {tuple(visibility.shape)}")
+    if visibility.dtype != xp.bool_:
         raise ValueError(f"attention: visibility must be bool, got {visibility.dtype}")
-    blind = np.flatnonzero(~visibility.any(axis=1))
+    blind = xp.flatnonzero(~xp.any(visibility, axis=1))
     if len(blind):
-        raise ValueError(f"attention: query {blind[0]} sees no key row")
+        raise ValueError(f"attention: query {int(blind[0])} sees no key row")
 
 
 def masked_softmax(scores: np.ndarray, visibility: np.ndarray) -> np.ndarray:
     """Softmax over the last axis t of scores [s, h, t] where visibility [s, t] is True; 0 elsewhere."""
-    masked = np.where(visibility[:, None, :], scores, -np.inf)
-    e = np.exp(masked - masked.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+    xp = namespace(scores)
+    masked = xp.where(visibility[:, None, :], scores, -xp.inf)
+    e = xp.exp(masked - xp.max(masked, axis=-1, keepdims=True))
+    return e / xp.sum(e, axis=-1, keepdims=True)
 
 
 def mla_attention_latent(q_lat: np.ndarray, q_pe: np.ndarray, kv_c: np.ndarray, k_pe: np.ndarray,
@@ -157,10 +167,11 @@ def mla_attention_latent(q_lat: np.ndarray, q_pe: np.ndarray, kv_c: np.ndarray, 
     Returns:
         o_lat [s, h, c] float64 = softmax((q_lat . c_t + q_pe . k_pe_t) * scale) @ kv_c.
     """
-    q_lat, q_pe, kv_c, k_pe = f64(q_lat), f64(q_pe), f64(kv_c), f64(k_pe)
+    xp = namespace(q_lat, q_pe, kv_c, k_pe)
+    q_lat, q_pe, kv_c, k_pe = (f64(a, xp) for a in (q_lat, q_pe, kv_c, k_pe))
     _check_attention_inputs(q_pe, kv_c, k_pe, visibility)
-    scores = (np.einsum("shc,tc->sht", q_lat, kv_c) + np.einsum("shr,tr->sht", q_pe, k_pe)) * scale
-    return np.einsum("sht,tc->shc", masked_softmax(scores, visibility), kv_c)
+    scores = (xp.einsum("shc,tc->sht", q_lat, kv_c) + xp.einsum("shr,tr->sht", q_pe, k_pe)) * scale
+    return xp.einsum("sht,tc->shc", masked_softmax(scores, visibility), kv_c)
 
 
 def mla_attention_absorbed(q_nope: np.ndarray, q_pe: np.ndarray, kv_c: np.ndarray, k_pe: np.ndarray,
@@ -173,24 +184,26 @@ def mla_attention_absorbed(q_nope: np.ndarray, q_pe: np.ndarray, kv_c: np.ndarra
     Returns:
         o [s, h, v] float64, per head, before o_proj.
     """
-    q_lat = np.einsum("shn,hnc->shc", f64(q_nope), f64(w_uk))
+    xp = namespace(q_nope, w_uk)
+    q_lat = xp.einsum("shn,hnc->shc", f64(q_nope, xp), f64(w_uk, xp))
     o_lat = mla_attention_latent(q_lat, q_pe, kv_c, k_pe, visibility, scale)
-    return np.einsum("shc,hvc->shv", o_lat, f64(w_uv))
+    return xp.einsum("shc,hvc->shv", o_lat, f64(w_uv, xp))
 
 
 def mla_attention_naive(q_nope: np.ndarray, q_pe: np.ndarray, kv_c: np.ndarray, k_pe: np.ndarray,
                         w_uk: np.ndarray, w_uv: np.ndarray, visibility: np.ndarray, scale: float) -> np.ndarray:
     """MLA with per-head keys and values expanded from the latent rows; same arguments and result as
     mla_attention_absorbed: k = [c W_UK^T | k_pe], v = c W_UV^T, o = softmax(q . k * scale) v."""
-    q_nope, q_pe, kv_c, k_pe = f64(q_nope), f64(q_pe), f64(kv_c), f64(k_pe)
+    xp = namespace(q_nope, q_pe, kv_c, k_pe)
+    q_nope, q_pe, kv_c, k_pe = (f64(a, xp) for a in (q_nope, q_pe, kv_c, k_pe))
     _check_attention_inputs(q_pe, kv_c, k_pe, visibility)
     h, t = w_uk.shape[0], kv_c.shape[0]
-    k_nope = np.einsum("tc,hnc->thn", kv_c, f64(w_uk))                     # [t, h, n]
-    values = np.einsum("tc,hvc->thv", kv_c, f64(w_uv))                     # [t, h, v]
-    keys = np.concatenate([k_nope, np.broadcast_to(k_pe[:, None, :], (t, h, k_pe.shape[1]))], axis=-1)
-    queries = np.concatenate([q_nope, q_pe], axis=-1)                      # [s, h, n+r]
-    scores = np.einsum("shd,thd->sht", queries, keys) * scale
-    return np.einsum("sht,thv->shv", masked_softmax(scores, visibility), values)
+    k_nope = xp.einsum("tc,hnc->thn", kv_c, f64(w_uk, xp))                 # [t, h, n]
+    values = xp.einsum("tc,hvc->thv", kv_c, f64(w_uv, xp))                 # [t, h, v]
+    keys = xp.concatenate([k_nope, xp.broadcast_to(k_pe[:, None, :], (t, h, k_pe.shape[1]))], axis=-1)
+    queries = xp.concatenate([q_nope, q_pe], axis=-1)                      # [s, h, n+r]
+    scores = xp.einsum("shd,thd->sht", queries, keys) * scale
+    return xp.einsum("sht,thv->shv", masked_softmax(scores, visibility), values)
 
 
 # ----------------------------------------------------------------------------------------------- MoE
@@ -202,20 +215,21 @@ def moe_gate(cfg: ModelConfig, x: np.ndarray, gate_weight: np.ndarray,
     experts) go to the lower index. topk_method "greedy" picks the top-k sigmoid scores, without bias or groups.
     """
     scores = sigmoid(linear(x, gate_weight))                               # [s, e], unbiased
+    xp = namespace(scores)
     s, e, k = scores.shape[0], cfg.n_routed_experts, cfg.num_experts_per_tok
     greedy = cfg.topk_method == "greedy"
-    choice = scores.copy() if (greedy or bias is None) else scores + f64(bias)
+    choice = xp.copy(scores) if (greedy or bias is None) else scores + f64(bias, xp)
     if cfg.n_group > 1 and not greedy:
         grouped = choice.reshape(s, cfg.n_group, e // cfg.n_group)
-        group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)   # sum of each group's top-2
-        keep = np.argsort(-group_scores, axis=-1, kind="stable")[:, :cfg.topk_group]
-        dropped = np.ones((s, cfg.n_group), dtype=bool)
-        np.put_along_axis(dropped, keep, False, axis=-1)
-        choice = np.where(np.repeat(dropped, e // cfg.n_group, axis=-1), -np.inf, choice)
-    expert_ids = np.argsort(-choice, axis=-1, kind="stable")[:, :k].astype(np.int64)
-    weights = np.take_along_axis(scores, expert_ids, axis=-1)
+        group_scores = xp.sum(xp.sort(grouped, axis=-1)[..., -2:], axis=-1)  # sum of each group's top-2
+        keep = xp.argsort(-group_scores, axis=-1, kind="stable")[:, :cfg.topk_group]
+        dropped = xp.ones((s, cfg.n_group), dtype=xp.bool_)
+        xp.put_along_axis(dropped, keep, False, axis=-1)
+        choice = xp.where(xp.repeat(dropped, e // cfg.n_group, axis=-1), -xp.inf, choice)
+    expert_ids = xp.asarray(xp.argsort(-choice, axis=-1, kind="stable")[:, :k], dtype=xp.int64)
+    weights = xp.take_along_axis(scores, expert_ids, axis=-1)
     if cfg.norm_topk_prob:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
+        weights = weights / xp.sum(weights, axis=-1, keepdims=True)
     return expert_ids, weights * cfg.routed_scaling_factor
 
 
@@ -227,11 +241,12 @@ def layer_weights(weights: dict[str, np.ndarray], layer: int) -> dict[str, np.nd
 
 def moe(cfg: ModelConfig, x: np.ndarray, lw: dict[str, np.ndarray]) -> np.ndarray:
     """MoE FFN: sum_i w_i expert_i(x) + shared(x). x [s, d]; lw from layer_weights() -> [s, d] float64."""
-    x = f64(x)
+    xp = namespace(x)
+    x = f64(x, xp)
     expert_ids, expert_weights = moe_gate(cfg, x, lw["mlp.gate.weight"], lw.get("mlp.gate.e_score_correction_bias"))
-    out = np.zeros_like(x)
-    for expert in np.unique(expert_ids):  # only experts some token picked: Kimi-sized layers stay cheap
-        rows, slot = np.nonzero(expert_ids == expert)
+    out = xp.zeros_like(x)
+    for expert in xp.unique(expert_ids).tolist():  # only experts some token picked: Kimi-sized layers stay cheap
+        rows, slot = xp.nonzero(expert_ids == expert)
         p = f"mlp.experts.{expert}."
         y = swiglu(x[rows], lw[p + "gate_proj.weight"], lw[p + "up_proj.weight"], lw[p + "down_proj.weight"])
         out[rows] += expert_weights[rows, slot][:, None] * y

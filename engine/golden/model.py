@@ -1,13 +1,17 @@
 """The float64 golden reference model (docs/architecture.md, model protocol) and golden decoding.
 
-The layers are plain numpy functions in engine/reference_layers.py, re-exported here so that kernels and tests
-import everything from ``engine.reference``. All arithmetic is float64; float32 weights are widened where used.
+The layers are the functions of engine/golden/layers.py, re-exported here. All arithmetic is float64; float32
+weights are widened where used. ``ReferenceModel(cfg, weights)`` computes with numpy; ``device="cpu"`` or
+``"cuda"`` runs the same functions on torch float64 tensors of that device (engine/golden/arrays.py): the weights
+are widened there once, the cache lives there, and forward still returns numpy logits. ``decode`` hands back a
+GoldenRun on the host either way.
 Dimension letters: s query tokens, t key rows, c kv_lora_rank, r qk_rope_head_dim, V vocab.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from kdspec.engine.golden.arrays import TorchNumpy, to_host
 from kdspec.engine.golden.ddtree import compaction_moves, move_rows
 from kdspec.engine.golden.layers import (
     dense_mlp,
@@ -42,14 +46,15 @@ class ReferenceCache:
     ``length`` rows are committed; ``in_flight`` rows after them were written by the last forward and wait
     for commit() or compact(). ``hidden`` [n, capacity, d] keeps the residual stream at ``hidden_layers`` of
     every row (index i: the stream entering layer i; i == layers: the stream leaving the last layer, before the
-    final norm), committed and compacted with the cache: what a block drafter reads.
+    final norm), committed and compacted with the cache: what a block drafter reads. ``xp``: the array
+    namespace (numpy, or arrays.TorchNumpy: the rows are then tensors on its device).
     """
 
-    def __init__(self, cfg: ModelConfig, capacity: int, hidden_layers: tuple[int, ...] = ()):
-        self.c = [np.zeros((capacity, cfg.kv_lora_rank)) for _ in range(cfg.num_hidden_layers)]
-        self.k_pe = [np.zeros((capacity, cfg.qk_rope_head_dim)) for _ in range(cfg.num_hidden_layers)]
+    def __init__(self, cfg: ModelConfig, capacity: int, hidden_layers: tuple[int, ...] = (), xp=np):
+        self.c = [xp.zeros((capacity, cfg.kv_lora_rank)) for _ in range(cfg.num_hidden_layers)]
+        self.k_pe = [xp.zeros((capacity, cfg.qk_rope_head_dim)) for _ in range(cfg.num_hidden_layers)]
         self.hidden_layers = tuple(int(i) for i in hidden_layers)
-        self.hidden = np.zeros((len(self.hidden_layers), capacity, cfg.hidden_size))
+        self.hidden = xp.zeros((len(self.hidden_layers), capacity, cfg.hidden_size))
         self.length = 0
         self.in_flight = 0
 
@@ -57,13 +62,31 @@ class ReferenceCache:
     def capacity(self) -> int:
         return self.c[0].shape[0]
 
+    def to_host(self) -> ReferenceCache:
+        """This cache with numpy rows (itself when they are numpy already)."""
+        if isinstance(self.c[0], np.ndarray):
+            return self
+        host = object.__new__(ReferenceCache)
+        host.c, host.k_pe = [to_host(rows) for rows in self.c], [to_host(rows) for rows in self.k_pe]
+        host.hidden, host.hidden_layers = to_host(self.hidden), self.hidden_layers
+        host.length, host.in_flight = self.length, self.in_flight
+        return host
+
 
 class ReferenceModel:
-    """The golden model (docs/architecture.md, model protocol). ``absorbed=False`` uses naive MLA."""
+    """The golden model (docs/architecture.md, model protocol). ``absorbed=False`` uses naive MLA.
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], absorbed: bool = True):
+    ``device`` None computes with numpy; a torch device ("cpu", "cuda") with torch float64 tensors there (the
+    weights widened to float64 on it once: 8 bytes a parameter).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], absorbed: bool = True,
+                 device: str | None = None):
         check_weights(cfg, weights)
-        self.cfg, self.weights, self.absorbed = cfg, weights, absorbed
+        self.xp = np if device is None else TorchNumpy.of(device)
+        if device is not None:
+            weights = {name: self.xp.asarray(w, dtype=self.xp.float64) for name, w in weights.items()}
+        self.cfg, self.weights, self.absorbed, self.device = cfg, weights, absorbed, device
         self.layers = [layer_weights(weights, i) for i in range(cfg.num_hidden_layers)]
         self.kv_b = [split_kv_b(cfg, lw["self_attn.kv_b_proj.weight"]) for lw in self.layers]  # (W_UK, W_UV)
         self.lm_head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
@@ -75,7 +98,7 @@ class ReferenceModel:
             raise ValueError(f"cache capacity {capacity} exceeds max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
         check_hidden_layers(self.cfg, hidden_layers)
-        return ReferenceCache(self.cfg, int(capacity), hidden_layers)
+        return ReferenceCache(self.cfg, int(capacity), hidden_layers, self.xp)
 
     def _check_forward(self, cache: ReferenceCache, tokens, positions, visibility):
         tokens, positions = np.asarray(tokens), np.asarray(positions)
@@ -104,14 +127,15 @@ class ReferenceModel:
         Query i sees every committed row and in-flight row j where visibility[i, j] (bool [s, s]; None:
         causal). cache.length is not changed.
         """
-        cfg = self.cfg
+        cfg, xp = self.cfg, self.xp
         tokens, positions, visibility = self._check_forward(cache, tokens, positions, visibility)
         start, s = cache.length, tokens.shape[0]
         end = start + s
-        seen = np.concatenate([np.ones((s, start), dtype=bool), visibility], axis=1)  # [s, end]
-        cos, sin = rope_cos_sin(cfg, positions)
+        # the mask and the RoPE tables are made on the host (numpy's cos / sin on every device) and moved
+        seen = xp.asarray(np.concatenate([np.ones((s, start), dtype=bool), visibility], axis=1))  # [s, end]
+        cos, sin = (xp.asarray(a) for a in rope_cos_sin(cfg, positions))
         attention = mla_attention_absorbed if self.absorbed else mla_attention_naive
-        x = f64(self.weights["model.embed_tokens.weight"][tokens])
+        x = f64(self.weights["model.embed_tokens.weight"][xp.asarray(tokens)], xp)
         for i, lw in enumerate(self.layers):
             self._keep_hidden(cache, i, x, start, end)
             hx = rms_norm(x, lw["input_layernorm.weight"], cfg.rms_norm_eps)
@@ -125,11 +149,11 @@ class ReferenceModel:
             x = x + (moe(cfg, hx, lw) if cfg.is_moe_layer(i) else dense_mlp(hx, lw))
         cache.in_flight = s
         self._keep_hidden(cache, len(self.layers), x, start, end)
-        return linear(rms_norm(x, self.weights["model.norm.weight"], cfg.rms_norm_eps), self.lm_head)
+        return to_host(linear(rms_norm(x, self.weights["model.norm.weight"], cfg.rms_norm_eps), self.lm_head))
 
     def hidden_rows(self, cache: ReferenceCache, stop: int) -> np.ndarray:
-        """The kept hidden states of rows 0..stop-1: float64 [n, stop, d] (a copy)."""
-        return cache.hidden[:, :stop].copy()
+        """The kept hidden states of rows 0..stop-1: float64 [n, stop, d] (a numpy copy)."""
+        return np.array(to_host(cache.hidden[:, :stop]))
 
     @staticmethod
     def _keep_hidden(cache: ReferenceCache, index: int, x: np.ndarray, start: int, end: int) -> None:
@@ -151,7 +175,7 @@ class ReferenceModel:
                 or accepted.min() < 0 or accepted.max() >= cache.in_flight):
             raise ValueError(f"accepted must be non-empty integer node indices in 0..{cache.in_flight - 1}, "
                              f"got {accepted.tolist()}")
-        src, dst = compaction_moves(cache.length, accepted)
+        src, dst = (self.xp.asarray(a) for a in compaction_moves(cache.length, accepted))
         for rows in cache.c + cache.k_pe + list(cache.hidden):
             move_rows(rows, src, dst)
         cache.length += len(accepted)
@@ -161,7 +185,8 @@ class ReferenceModel:
 # ---------------------------------------------------------------------------------------- golden run
 class GoldenRun:
     """tokens [m] int64 (new tokens), logits [m, V] float64 (logits[i] chose tokens[i]) and the final cache,
-    whose rows 0 .. len(prompt)+m-1 are the golden AR cache (the last new token is fed too)."""
+    whose rows 0 .. len(prompt)+m-1 are the golden AR cache (the last new token is fed too); all numpy, on the
+    host, whichever device computed them."""
 
     def __init__(self, tokens: np.ndarray, logits: np.ndarray, cache: ReferenceCache):
         self.tokens, self.logits, self.cache = tokens, logits, cache
@@ -172,7 +197,8 @@ def decode(model: ReferenceModel, prompt_ids, max_new_tokens: int, temperature: 
     """Prefill the prompt in one forward, then one AR step per token.
 
     Token i sits at absolute position P+i (P = len(prompt)) and is chosen from logits[i] by
-    engine.sampling_ref.choose_token(logits[i], temperature, seed, P+i): argmax at T=0 (ties -> lowest id).
+    engine.golden.sampling.choose_token(logits[i], temperature, seed, P+i): argmax at T=0 (ties -> lowest id),
+    on the host for every device of the model (so ties and the noise are numpy's).
     """
     prompt = np.asarray(prompt_ids, dtype=np.int64)
     if prompt.ndim != 1 or len(prompt) == 0:
@@ -190,4 +216,4 @@ def decode(model: ReferenceModel, prompt_ids, max_new_tokens: int, temperature: 
         tokens[i] = choose_token(step_logits, temperature, seed, p + i)
         step_logits = model.forward(cache, tokens[i:i + 1], np.array([p + i]))[0]
         model.commit(cache, 1)
-    return GoldenRun(tokens, logits, cache)
+    return GoldenRun(tokens, logits, cache.to_host())
