@@ -58,6 +58,12 @@ def _device_model(backend: str, cfg: ModelConfig, weights: dict, weight_dtype: s
             import torch  # noqa: F401  (cuBLAS for the dense projections)
         except ImportError:
             raise BackendUnavailable("backend 'cuda' needs torch for cuBLAS: pip install 'kdspec[gpu]'") from None
+    if backend == "sim":
+        from kdspec.numba_kernels.attention.common import MAX_LATENT, MAX_ROPE
+        if cfg.kv_lora_rank > MAX_LATENT or cfg.qk_rope_head_dim > MAX_ROPE:
+            raise BackendUnavailable(f"backend 'sim' runs toy shapes only (kv_lora_rank <= {MAX_LATENT}, "
+                                     f"qk_rope_head_dim <= {MAX_ROPE}; this model has {cfg.kv_lora_rank} and "
+                                     f"{cfg.qk_rope_head_dim}): use backend 'reference'")
     from kdspec.engine.device.model import DeviceModel
     return DeviceModel(cfg, weights, backend, weight_dtype)
 
