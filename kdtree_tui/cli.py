@@ -124,35 +124,23 @@ def _parse_prompt(args: argparse.Namespace) -> list[int]:
         raise UsageError(str(e)) from None
 
 
-class _Progress:
-    """A one-line progress bar on stderr when it is a terminal (nothing otherwise)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.done, self.steps, self.enabled = total, 0, 0, enabled
-        self.started = time.perf_counter()
-
-    def step(self, committed: int) -> None:
-        self.done, self.steps = min(self.total, self.done + committed), self.steps + 1
-        if self.enabled:
-            width = 30
-            filled = width * self.done // max(1, self.total)
-            rate = self.done / max(1e-9, time.perf_counter() - self.started)
-            print(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} tokens, "
-                  f"{self.steps} steps, {rate:.1f} tok/s", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled:
-            print(file=sys.stderr)
+GOLDEN_HELP = ("where the float64 golden runs: cpu (numpy), gpu (the same math in torch float64 on the GPU: needs "
+               "torch with CUDA), none (no comparison; the oracle drafters follow the golden, so they need one); auto: "
+               "gpu for a run on cuda whose float64 weights (8 bytes a parameter) fit the free GPU memory, else cpu "
+               "while they take at most half the RAM, else none")
 
 
 def record_trace(model: str, out: str, prompt_ids: list[int], config, *, backend: str = "auto",
-                 weight_dtype: str = "float32", force: bool = False, progress: bool = False) -> dict:
-    """Load the model, run the golden and the engine with ``config`` (engine.decode.config.DecodeConfig) and
-    write every step to ``out``; returns a summary dict. Raises UsageError for anything the user can fix."""
+                 weight_dtype: str = "float32", force: bool = False, progress=None, golden: str = "auto") -> dict:
+    """Load the model, run the golden (``golden``: auto | cpu | gpu | none) and the engine with ``config``
+    (engine.decode.config.DecodeConfig) and write every step to ``out``; returns a summary dict. ``progress``:
+    a terminal stream for the progress line (None: quiet). Raises UsageError for anything the user can fix."""
+    from kdspec.kdtree_tui.progress import Progress
     from kdspec.traces import TraceError
     from kdspec.traces.lock import OutputLock
     from kdspec.traces.writer import check_output
 
+    _check_golden_choice(golden, config)  # before any file is touched
     if os.path.exists(out) and not force:
         raise UsageError(f"{out} exists (pass --force to overwrite it)")
     try:  # before the model loads: a second recorder of ``out`` is told at once
@@ -160,43 +148,96 @@ def record_trace(model: str, out: str, prompt_ids: list[int], config, *, backend
         lock = OutputLock(out)
     except TraceError as e:
         raise UsageError(str(e)) from None
+    bar = Progress(progress)
     try:
         with _sigterm_interrupts():
-            engine, golden = _load_with_golden(model, prompt_ids, config, backend, weight_dtype)
-            writer = _open_writer(out, engine, model, prompt_ids, config, force, lock)
-            result = _decode_into(writer, engine, prompt_ids, config, golden, progress)
+            engine, run, where, seconds = _load_with_golden(model, prompt_ids, config, backend, weight_dtype, golden,
+                                                            bar)
+            writer = _open_writer(out, engine, model, prompt_ids, config, force, lock, where)
+            result = _decode_into(writer, engine, prompt_ids, config, run, bar)
     finally:
         lock.release()  # the writer gave it back already, unless it was never opened
     return dict(out=out, backend=engine.backend, device=_device_name(engine.backend), steps=result.steps,
                 mean_tau=result.mean_tau, golden_match=result.golden_match, tokens=len(result.tokens),
-                elapsed=result.elapsed)
+                elapsed=result.elapsed, golden=where, golden_seconds=seconds)
 
 
-def _load_with_golden(model: str, prompt_ids: list[int], config, backend: str, weight_dtype: str):
-    """(engine, golden run): the model loaded, the prompt and ``config`` checked against it, then the golden."""
+def _check_golden_choice(golden: str, config) -> None:
+    """What --golden refuses before anything loads: an unknown choice, none with a drafter that follows the
+    golden, gpu where torch has no CUDA GPU."""
     from kdspec.engine.decode import api
+
+    if golden not in api.GOLDENS:
+        raise UsageError(f"--golden must be one of {', '.join(api.GOLDENS)}, got {golden!r}")
+    if golden == "none":
+        _refuse_oracle_without_golden(config, "--golden none leaves it out")
+    if golden == "gpu":
+        missing = api.gpu_golden_unavailable()
+        if missing:
+            raise UsageError(f"--golden gpu: {missing} (use --golden cpu or none)")
+
+
+def _refuse_oracle_without_golden(config, why: str) -> None:
+    from kdspec.engine.decode.drafters import parse_drafter
+
+    if config.drafter is not None and parse_drafter(config.drafter).needs_golden:
+        raise UsageError(f"drafter {config.drafter} (mode ddtree's default is oracle) follows the golden run, but "
+                         f"{why}: pass --golden cpu or gpu, a trained drafter (--drafter dflash) or --mode ar")
+
+
+def _load_with_golden(model: str, prompt_ids: list[int], config, backend: str, weight_dtype: str, golden: str,
+                      bar):
+    """(engine, golden run or None, where it ran: cpu | gpu | none, its seconds or None): the model loaded, the
+    prompt and ``config`` checked against it, then the golden where ``golden`` (Engine.plan_golden) says."""
+    from kdspec.engine.decode import api
+    from kdspec.engine.decode.loop import check_prompt
     from kdspec.engine.model.checkpoint import CheckpointError
     from kdspec.engine.model.config import ConfigError
 
     try:
-        engine = api.load(model, backend=backend, seed=config.seed, weight_dtype=weight_dtype)
+        with bar.phase(f"loading {model}" + ("" if backend == "auto" else f" ({backend} backend)")):
+            engine = api.load(model, backend=backend, seed=config.seed, weight_dtype=weight_dtype)
         if config.record_logits and engine.cfg.vocab_size > MAX_SAVED_VOCAB:
             raise UsageError(f"--save-logits stores full logits: only for vocabularies up to {MAX_SAVED_VOCAB} "
                              f"(this one has {engine.cfg.vocab_size})")
-        return engine, engine.golden_for(prompt_ids, config)
+        resolved = config.resolved(engine.cfg.vocab_size)
+        check_prompt(engine.cfg, engine.encode_prompt(prompt_ids), resolved.max_new_tokens)
+        plan = engine.plan_golden(golden)
+        if plan.where == "none":
+            if golden == "auto":
+                _refuse_oracle_without_golden(config, f"--golden auto leaves it out ({plan.reason})")
+            return engine, None, "none", None
+        started = time.perf_counter()
+        with bar.phase(f"computing the golden ({plan.where}, float64)"), _gpu_memory_is_usage(plan.where):
+            run = engine.golden_for(prompt_ids, config, device=plan.device)
+        return engine, run, plan.where, time.perf_counter() - started
     except (ValueError, ConfigError, CheckpointError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
     except api.BackendUnavailable as e:
         raise UsageError(str(e)) from None
 
 
-def _open_writer(out: str, engine, model: str, prompt_ids: list[int], config, force: bool, lock=None):
-    """The trace writer of a run of ``config`` on ``engine``: its decode_config is the resolved config's dict;
-    a BPE model's vocabulary goes in, so that the viewer shows text without the tokenizer."""
+@contextlib.contextmanager
+def _gpu_memory_is_usage(where: str):
+    """The GPU golden running out of GPU memory is one line (torch's OutOfMemoryError, a RuntimeError)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if where == "gpu" and type(e).__name__ == "OutOfMemoryError":
+            raise UsageError("the GPU golden ran out of GPU memory: use --golden cpu or none") from None
+        raise
+
+
+def _open_writer(out: str, engine, model: str, prompt_ids: list[int], config, force: bool, lock=None,
+                 golden: str | None = None):
+    """The trace writer of a run of ``config`` on ``engine``: its decode_config is the resolved config's dict and
+    where the golden ran (key golden: cpu | gpu | none, when given); a BPE model's vocabulary goes in, so that
+    the viewer shows text without the tokenizer."""
     from kdspec.engine.model.tokenizer import vocabulary_bytes
     from kdspec.traces import RunMetadata, TraceError, TraceWriter
 
-    run = RunMetadata(decode_config=config.resolved(engine.cfg.vocab_size).as_dict(),
+    decode_config = config.resolved(engine.cfg.vocab_size).as_dict()
+    run = RunMetadata(decode_config=decode_config if golden is None else {**decode_config, "golden": golden},
                       model_config={**engine.cfg.to_hf_dict(), "name": model, "weight_dtype": engine.weight_dtype},
                       backend=engine.backend, device=_device_name(engine.backend), prompt_tokens=prompt_ids,
                       versions=_versions(), tokenizer=engine.tokenizer.name,
@@ -208,22 +249,22 @@ def _open_writer(out: str, engine, model: str, prompt_ids: list[int], config, fo
         raise UsageError(str(e)) from None
 
 
-def _decode_into(writer, engine, prompt_ids: list[int], config, golden, progress: bool):
-    """Decode, writing each step's record; finish the trace (status "failed" when the run fails)."""
+def _decode_into(writer, engine, prompt_ids: list[int], config, golden, bar):
+    """Decode, writing each step's record; finish the trace (status "failed" when the run fails). ``golden``:
+    the golden run, or None (no comparison); ``bar``: the kdtree_tui.progress.Progress line."""
     import numpy as np
 
     from kdspec.traces import TraceError
 
-    progress_bar = _Progress(config.max_new_tokens, progress)
-    progress_bar.step(1)  # the prefill's token
+    bar.start(config.max_new_tokens, done=1)  # the prefill's token (not a step)
 
     def on_step(record: dict) -> None:
         writer.write_step(record)
-        progress_bar.step(len(record["committed_tokens"]))
+        bar.step(len(record["committed_tokens"]))
 
     try:
-        result = engine.generate(prompt_ids, config, golden=golden, on_step=on_step)
-        writer.finish(result.tokens, np.asarray(golden.tokens)[:config.max_new_tokens])
+        result = engine.generate(prompt_ids, config, golden=False if golden is None else golden, on_step=on_step)
+        writer.finish(result.tokens, None if golden is None else np.asarray(golden.tokens)[:config.max_new_tokens])
     except TraceError as e:
         _close(writer, "failed")
         raise UsageError(str(e)) from None
@@ -234,7 +275,7 @@ def _decode_into(writer, engine, prompt_ids: list[int], config, golden, progress
         _close(writer, "failed")
         raise
     finally:
-        progress_bar.close()
+        bar.close()
     return result
 
 
@@ -288,14 +329,25 @@ def _decode_config(args: argparse.Namespace):
         raise UsageError(str(e)) from None
 
 
+def _terminal(stream):
+    """``stream`` when it is a terminal (the progress line goes there), else None."""
+    try:
+        return stream if stream.isatty() else None
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return None
+
+
 def _cmd_record(args: argparse.Namespace) -> int:
     _select_backend(args.backend)
     summary = record_trace(args.model, args.out, _parse_prompt(args), _decode_config(args), backend=args.backend,
-                           weight_dtype=args.weight_dtype, force=args.force, progress=sys.stderr.isatty())
-    match = {True: "equal to the golden", False: "DIVERGES from the golden", None: "no golden"}[summary["golden_match"]]
+                           weight_dtype=args.weight_dtype, force=args.force, progress=_terminal(sys.stderr),
+                           golden=args.golden)
+    match = {True: "equal to the golden", False: "DIVERGES from the golden",
+             None: "no golden (--golden none)"}[summary["golden_match"]]
+    golden = "" if summary["golden_seconds"] is None else f", golden on {summary['golden']} {summary['golden_seconds']:.1f} s"
     print(f"recorded {summary['out']}: {summary['tokens']} tokens in {summary['steps']} steps on "
           f"{summary['backend']} ({summary['device']}), mean tau {summary['mean_tau']:.2f}, {match}, "
-          f"{summary['elapsed']:.1f} s")
+          f"{summary['elapsed']:.1f} s{golden}")
     return 0
 
 
@@ -404,7 +456,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
           file=sys.stderr)
     prompt = _parse_prompt(argparse.Namespace(prompt_ids=None, prompt=DEMO_PROMPT, model="pycoder-mini"))
     summary = record_trace("pycoder-mini", out, prompt, config, backend=backend, force=args.force,
-                           progress=sys.stderr.isatty())
+                           progress=_terminal(sys.stderr), golden=args.golden)
     print(f"recorded {summary['steps']} steps on {summary['backend']} ({summary['device']}), mean tau "
           f"{summary['mean_tau']:.2f}", file=sys.stderr)
     if args.no_tui:
@@ -471,6 +523,7 @@ def _add_record(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="trace file to write (.h5)")
     p.add_argument("--force", action="store_true", help="overwrite an existing trace")
     p.add_argument("--save-logits", action="store_true", help="store full logits of committed positions (small V)")
+    p.add_argument("--golden", choices=("auto", "cpu", "gpu", "none"), default="auto", help=GOLDEN_HELP)
     p.set_defaults(func=_cmd_record)
 
 
@@ -507,6 +560,7 @@ def _add_demo_and_bench(sub) -> None:
     p.add_argument("--out", help="where to write the trace (default: a temporary directory)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.add_argument("--no-tui", action="store_true", help="record only; print the trace path")
+    p.add_argument("--golden", choices=("auto", "cpu", "gpu", "none"), default="auto", help=GOLDEN_HELP)
     p.set_defaults(func=_cmd_demo)
     _add_train(sub.add_parser("train", help="train the shipped models (needs the `train` extra: torch, transformers)"))
     p = sub.add_parser("bench", help="benchmarks with their peers, side by side in one run (exit 1: a target missed)")

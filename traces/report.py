@@ -29,7 +29,9 @@ def info_text(reader: TraceReader) -> str:
     ]
     if s.per_depth_acceptance:
         lines.append("reached d  " + "  ".join(f"{d}:{p:.2f}" for d, p in s.per_depth_acceptance.items()))
-    if s.golden_match:
+    if recorded_without_golden(reader):
+        golden = "none (recorded with --golden none): nothing compared"
+    elif s.golden_match:
         golden = "tokens equal"
     elif s.first_divergence_step is not None:
         golden = f"DIVERGES at step {s.first_divergence_step}"
@@ -61,7 +63,8 @@ def info_json(reader: TraceReader) -> dict[str, Any]:
         "tau_histogram": {str(t): n for t, n in s.tau_histogram.items()},
         "per_depth_acceptance": {str(d): p for d, p in s.per_depth_acceptance.items()},
         "output_tokens": [int(t) for t in s.output_tokens], "golden_tokens": [int(t) for t in s.golden_tokens],
-        "golden_match": s.golden_match, "first_divergence_step": s.first_divergence_step,
+        "golden_match": None if recorded_without_golden(reader) else s.golden_match,
+        "first_divergence_step": s.first_divergence_step,
         "max_logit_diff": num(s.max_logit_diff),
         "max_logit_diff_at": list(s.max_logit_diff_at) if s.max_logit_diff_at else None,
         "max_cache_diff": num(s.max_cache_diff),
@@ -73,8 +76,14 @@ def info_json(reader: TraceReader) -> dict[str, Any]:
 CHECK_BLOCK_STEPS = 4096
 
 
+def recorded_without_golden(reader: TraceReader) -> bool:
+    """Whether the run was recorded without a golden (``kdtree record --golden none``: decode_config's golden)."""
+    return (reader.metadata.get("decode_config") or {}).get("golden") == "none"
+
+
 def check(reader: TraceReader) -> tuple[int, str]:
     """(0, message) when the trace is complete, internally consistent and equal to the golden; else (1, why).
+    A trace recorded without a golden (``recorded_without_golden``) passes when intact, and says so.
 
     Consistency (``consistency_problem``): every step's tree, accepted path, committed tokens, cache lengths
     and compaction moves agree; each step starts where the previous one ended; a difference measured
@@ -99,6 +108,9 @@ def check(reader: TraceReader) -> tuple[int, str]:
         if not shortest <= len(output) <= len(generated) or not np.array_equal(output, generated[:len(output)]):
             return 1, (f"recorded output ({len(output)} tokens) differs from the steps' tokens ({len(generated)} "
                        f"tokens: the first token, then each step's committed tokens)")
+    if recorded_without_golden(reader):
+        return _check_without_golden(reader, len(output), n)
+    if n:  # tau and root as read above
         stepped_golden = generated_tokens(root, tau, reader.field("golden_tokens"))[:len(output)]
         recorded_golden = reader.golden_tokens
         reached = stepped_golden >= 0
@@ -118,6 +130,18 @@ def check(reader: TraceReader) -> tuple[int, str]:
         return 1, f"recorded output differs from the recorded golden ({len(s.golden_tokens)} tokens)"
     return 0, (f"ok: {len(output)} tokens in {n} steps equal the golden; worst |dlogit| {_fmt(s.max_logit_diff)}, "
                f"worst |dcache| {_fmt(s.max_cache_diff)}")
+
+
+def _check_without_golden(reader: TraceReader, tokens: int, steps: int) -> tuple[int, str]:
+    """check() of an intact trace recorded without a golden: none of its steps may carry golden tokens."""
+    for start in range(0, steps, CHECK_BLOCK_STEPS):
+        golden = reader.field("golden_tokens", start, min(steps, start + CHECK_BLOCK_STEPS))
+        if (golden >= 0).any():
+            step = start + int(np.argmax((golden >= 0).any(axis=1)))
+            return 1, f"recorded without a golden (--golden none), yet step {step} carries golden tokens"
+    if len(reader.golden_tokens):
+        return 1, "recorded without a golden (--golden none), yet the trace holds golden tokens"
+    return 0, f"ok: {tokens} tokens in {steps} steps, intact; no golden to compare (recorded with --golden none)"
 
 
 def consistency_problem(reader: TraceReader) -> Optional[str]:
