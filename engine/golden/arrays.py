@@ -54,12 +54,14 @@ class TorchNumpy:
 
     # -- creation and conversion ------------------------------------------------------------------------
     def asarray(self, a, dtype=None):
-        """A tensor on this device (numpy arrays are copied over; float32 weights widen there, not on the host)."""
+        """A tensor on this device (numpy arrays are copied over; float32 weights cross at 4 bytes and widen
+        there, not on the host)."""
         if not is_tensor(a):
             with warnings.catch_warnings():  # read-only memory-mapped weights: never written through the tensor
                 warnings.simplefilter("ignore", UserWarning)
                 a = self.torch.as_tensor(np.asarray(a))
-        return a.to(device=self.device, dtype=dtype)
+        a = a.to(device=self.device)
+        return a if dtype is None else a.to(dtype=dtype)
 
     def zeros(self, shape, dtype=None):
         return self.torch.zeros(shape, dtype=dtype or self.float64, device=self.device)
