@@ -99,7 +99,7 @@ def test_golden_auto_that_leaves_the_golden_out_refuses_the_oracle(tmp_path, cap
 
 def test_golden_gpu_without_torch_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "torch", None)  # `import torch` raises ImportError
-    code, out = record(tmp_path, "--golden", "gpu")
+    code, _ = record(tmp_path, "--golden", "gpu")
     assert code == 2
     one_error_line(capsys, "--golden gpu: the GPU golden needs torch with CUDA")
     assert list(tmp_path.iterdir()) == []
@@ -108,7 +108,7 @@ def test_golden_gpu_without_torch_is_one_line(tmp_path, capsys, monkeypatch):
 def test_golden_gpu_without_a_cuda_gpu_is_one_line(tmp_path, capsys, monkeypatch):
     fake = types.SimpleNamespace(__version__="9.9+cpu", cuda=types.SimpleNamespace(is_available=lambda: False))
     monkeypatch.setitem(__import__("sys").modules, "torch", fake)
-    code, out = record(tmp_path, "--golden", "gpu")
+    code, _ = record(tmp_path, "--golden", "gpu")
     assert code == 2
     one_error_line(capsys, "torch 9.9+cpu sees none")
     assert list(tmp_path.iterdir()) == []
@@ -125,3 +125,37 @@ def test_help_states_the_golden_default_and_bound(capsys):
         cli.build_parser().parse_args(["record", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "half the RAM" in text and "(default: auto)" in text.split("--golden", 1)[1]
+
+
+def test_golden_gpu_computes_on_cuda_and_says_so(tmp_path, capsys, monkeypatch):
+    """Without a GPU here: the CLI's gpu path asks Engine.golden_for for device "cuda" (answered by the numpy
+    golden) and the trace says gpu."""
+    asked = []
+    numpy_golden = api.Engine.golden_for
+
+    def golden_for(self, prompt, config, device=None):
+        asked.append(device)
+        return numpy_golden(self, prompt, config)
+
+    monkeypatch.setattr(api, "gpu_golden_unavailable", lambda: None)
+    monkeypatch.setattr(api.Engine, "golden_for", golden_for)
+    code, out = record(tmp_path, "--golden", "gpu")
+    assert code == 0 and asked == ["cuda"]
+    assert "golden on gpu" in capsys.readouterr().out
+    with open_trace(out) as reader:
+        assert reader.metadata["decode_config"]["golden"] == "gpu"
+
+
+def test_the_gpu_golden_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
+    class OutOfMemoryError(RuntimeError):  # torch.cuda.OutOfMemoryError's name and base
+        pass
+
+    def golden_for(self, prompt, config, device=None):
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 56.00 GiB")
+
+    monkeypatch.setattr(api, "gpu_golden_unavailable", lambda: None)
+    monkeypatch.setattr(api.Engine, "golden_for", golden_for)
+    code, out = record(tmp_path, "--golden", "gpu")
+    assert code == 2
+    one_error_line(capsys, "the GPU golden ran out of GPU memory: use --golden cpu or none")
+    assert not out.exists()

@@ -92,9 +92,8 @@ def test_a_phase_spins_then_says_how_long_it_took():
 
 def test_a_failed_phase_is_erased():
     stream = FakeTTY()
-    with pytest.raises(KeyboardInterrupt):
-        with Progress(stream, spin_seconds=10).phase("loading k2-mini"):
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), Progress(stream, spin_seconds=10).phase("loading k2-mini"):
+        raise KeyboardInterrupt
     assert screen(stream.getvalue()) == [""]
 
 
