@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from rich.text import Text
 from textual import work
@@ -24,7 +24,8 @@ from kdspec.kdtree_tui.commands import StepCommands
 from kdspec.kdtree_tui.messages import ColumnsLoaded, StepLoaded
 from kdspec.kdtree_tui.palette import palette
 from kdspec.kdtree_tui.screens import GoToStepScreen, HelpScreen
-from kdspec.kdtree_tui.session import FIRST_ROWS, FLAG_NAMES, READ_ROWS, Thresholds, TraceSession
+from kdspec.kdtree_tui.session import FIRST_ROWS, FLAG_NAMES, READ_ROWS, TraceSession
+from kdspec.kdtree_tui.thresholds_screen import ThresholdsScreen
 from kdspec.kdtree_tui.widgets.analytics_panel import AnalyticsPanel
 from kdspec.kdtree_tui.widgets.cache_panel import CachePanel
 from kdspec.kdtree_tui.widgets.compare_panel import ComparePanel
@@ -64,17 +65,19 @@ class TraceApp(App[int]):
         Binding("5", "tab('compare')", "compare", show=False),
         Binding("6", "tab('analytics')", "analytics", show=False),
         Binding("f", "toggle_follow", "follow", show=False),
+        Binding("t", "thresholds", "thresholds", show=False),
         Binding("d", "toggle_theme", "theme"),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
     ]
 
     def __init__(self, path: str, compare: Optional[str] = None, follow: bool = False,
-                 thresholds: Thresholds = Thresholds(), opener: Optional[Callable] = None) -> None:
+                 threshold_overrides: Optional[Mapping[str, Any]] = None, opener: Optional[Callable] = None) -> None:
         super().__init__()
-        # Opening reads only metadata and the step count: TraceError here means a bad file.
-        self.session = TraceSession(path, thresholds, opener)
-        self.other = TraceSession(compare, thresholds, opener) if compare else None
+        # Opening reads only metadata and the step count: TraceError here means a bad file. Each trace's
+        # thresholds follow its own precision (traces.thresholds), overridden by the command line's values.
+        self.session = TraceSession(path, threshold_overrides, opener)
+        self.other = TraceSession(compare, threshold_overrides, opener) if compare else None
         self.following = follow
         self.cursor = 0
         self.record = None
@@ -390,6 +393,19 @@ class TraceApp(App[int]):
     def action_toggle_theme(self) -> None:
         self.theme = "textual-light" if self.current_theme.dark else "textual-dark"
 
+    def action_thresholds(self) -> None:
+        self.push_screen(ThresholdsScreen(self.session.thresholds, self.session.metadata), self.set_thresholds)
+
+    def set_thresholds(self, thresholds) -> None:
+        """New anomaly thresholds for the shown trace (None: unchanged): flags, step list and views follow."""
+        if thresholds is None:
+            return
+        self.session.set_thresholds(thresholds)
+        self.query_one(StepList).reset()
+        self.redraw_step()
+        self.update_status()
+        self.notify(f"anomalies: {thresholds.describe()}", timeout=4)
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
@@ -430,11 +446,12 @@ def _one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def run_app(path: str, compare: Optional[str] = None, follow: bool = False, headless: bool = False) -> int:
+def run_app(path: str, compare: Optional[str] = None, follow: bool = False, headless: bool = False,
+            threshold_overrides: Optional[Mapping[str, Any]] = None) -> int:
     """Run the debugger on a trace; its exit status is the app's return code (0 after q). A file that is not a
     readable trace, or one the app cannot go on showing, prints one line and returns 2."""
     try:
-        app = TraceApp(path, compare=compare, follow=follow)
+        app = TraceApp(path, compare=compare, follow=follow, threshold_overrides=threshold_overrides)
     except TraceError as e:
         print(f"kdtree tui: error: {_one_line(e)}", file=sys.stderr)
         return 2

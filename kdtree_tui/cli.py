@@ -362,6 +362,8 @@ def _open_trace(path: str):
 def _cmd_info(args: argparse.Namespace) -> int:
     from kdspec.traces import TraceError, info_json, info_text
     from kdspec.traces.analytics_report import load_bench_rows, step_report, trace_report
+    from kdspec.traces.thresholds import thresholds_for
+    overrides = _threshold_overrides(args)
     try:
         bench = load_bench_rows(args.bench) if args.bench else None
     except ValueError as e:
@@ -371,9 +373,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
             if args.step is not None:
                 print(step_report(reader, args.step, args.json))
                 return 0
+            thresholds = thresholds_for(reader.metadata, **overrides)
             text, data = trace_report(reader, bench)
-            print(json.dumps({**info_json(reader), "analytics": data}, indent=2) if args.json
-                  else info_text(reader) + "\n" + text)
+            print(json.dumps({**info_json(reader, thresholds), "analytics": data}, indent=2) if args.json
+                  else info_text(reader, thresholds) + "\n" + text)
         except IndexError as e:
             raise UsageError(str(e)) from None
         except TraceError as e:
@@ -433,7 +436,31 @@ def _cmd_tui(args: argparse.Namespace) -> int:
     for path in (args.trace, args.compare):
         if path is not None and not os.path.exists(path):
             raise UsageError(f"{path}: no such file")
-    return run_app(args.trace, compare=args.compare, follow=args.follow)
+    overrides = _threshold_overrides(args)
+    return run_app(args.trace, compare=args.compare, follow=args.follow, threshold_overrides=overrides)
+
+
+def _add_threshold_options(p: argparse.ArgumentParser) -> None:
+    from kdspec.traces.thresholds import DEFAULT_MIN_TAU
+    by_precision = "default: by the trace's precision, float64 / fp32 / bf16 weights; `kdtree info` shows them"
+    p.add_argument("--dlogit-threshold", type=float, metavar="X",
+                   help=f"flag a position whose |engine - golden| logit exceeds X ({by_precision})")
+    p.add_argument("--cache-threshold", type=float, metavar="X",
+                   help=f"flag a step whose compacted cache differs from the golden's by more than X ({by_precision})")
+    p.add_argument("--min-tau", type=int, metavar="N", help="flag a DDTree step committing fewer than N tokens "
+                                                            f"(default: {DEFAULT_MIN_TAU})")
+
+
+def _threshold_overrides(args: argparse.Namespace) -> dict:
+    """The thresholds given on the command line ({} when none), checked here so a bad one is one line."""
+    from kdspec.traces.thresholds import Thresholds
+    overrides = {name: value for name, value in (("dlogit", args.dlogit_threshold), ("cache", args.cache_threshold),
+                                                  ("min_tau", args.min_tau)) if value is not None}
+    try:
+        Thresholds().with_values(**overrides)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return overrides
 
 
 DEMO_PROMPT = "def _get_loop(fut):\n"  # a held-out function header of pycoder-mini's corpus (asyncio/futures.py)
@@ -535,6 +562,7 @@ def _add_trace_commands(sub) -> None:
     p.add_argument("--step", type=int, metavar="N", help="why step N's tau was what it was (negative: from the end)")
     p.add_argument("--bench", metavar="FILE", help="`kdtree bench --json` rows: measured verify times for the "
                                                   "budget curve's cost model (default: fitted to the trace)")
+    _add_threshold_options(p)
     p.set_defaults(func=_cmd_info)
     p = sub.add_parser("export", help="a trace as rows (jsonl / csv, per step or --nodes) or Perfetto JSON")
     p.add_argument("trace")
@@ -550,6 +578,7 @@ def _add_trace_commands(sub) -> None:
     p.add_argument("trace")
     p.add_argument("--compare", metavar="OTHER", help="a second trace of the same prompt, side by side")
     p.add_argument("--follow", action="store_true", help="follow a trace that is still being recorded")
+    _add_threshold_options(p)
     p.set_defaults(func=_cmd_tui)
 
 

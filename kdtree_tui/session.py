@@ -10,14 +10,21 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
-# Anomaly flags, one bit each in TraceSession.flags (uint8 [S]).
-DIVERGED, DLOGIT, LOW_TAU, CACHE = 1, 2, 4, 8
-FLAG_NAMES = {DIVERGED: "golden divergence", DLOGIT: "|dlogit| over threshold", LOW_TAU: "tau below threshold",
-              CACHE: "cache mismatch"}
+from kdspec.traces.thresholds import (  # noqa: F401 (the app's names)
+    CACHE,
+    DIVERGED,
+    DLOGIT,
+    FLAG_NAMES,
+    LOW_TAU,
+    Thresholds,
+    flag_steps,
+    thresholds_for,
+)
+
 # Columns the step list and run view need (scalars, one value per step).
 LIST_COLUMNS = ("prefix_len", "tau", "num_nodes", "bonus_token", "cache_max_abs_diff")
 PATH_COLUMNS = ("committed_tokens", "golden_tokens", "logit_max_abs_diff")
@@ -26,15 +33,6 @@ STAGE_COLUMNS = ("time_draft", "time_build", "time_verify", "time_accept", "time
 # (h5py's lock is held for a whole read: small pieces let the step worker in between).
 FIRST_ROWS = 256
 READ_ROWS = 8192
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """What counts as an anomaly: |dlogit| > dlogit, tau < min_tau (DDTree runs only), cache diff > cache."""
-
-    dlogit: float = 1e-4
-    min_tau: int = 2
-    cache: float = 1e-4
 
 
 class Vocabulary:
@@ -90,18 +88,19 @@ class TraceSession:
 
     Args:
         path: the trace file (opened read-only through traces.reader).
-        thresholds: what counts as an anomaly.
+        threshold_overrides: {"dlogit" / "cache" / "min_tau": value} replacing the defaults of the trace's
+            precision (traces.thresholds): what counts as an anomaly.
         opener: path -> reader (traces.reader.open_trace; tests may wrap it).
     Raises traces' TraceError (one line) when the file cannot be opened as a trace.
     """
 
-    def __init__(self, path: str | os.PathLike, thresholds: Thresholds = Thresholds(),
+    def __init__(self, path: str | os.PathLike, threshold_overrides: Optional[Mapping[str, Any]] = None,
                  opener: Optional[Callable[[Any], Any]] = None):
         self.path = os.fspath(path)
         self.name = os.path.basename(self.path)
-        self.thresholds = thresholds
         self.reader = (opener or _open_trace)(self.path)
         self.metadata: dict = dict(self.reader.metadata)
+        self.thresholds: Thresholds = thresholds_for(self.metadata, **dict(threshold_overrides or {}))
         self.mode = str(self.metadata.get("mode", "ddtree"))
         self.vocabulary = self._vocabulary()
         self.bookmarks: set[int] = set()
@@ -140,11 +139,12 @@ class TraceSession:
         for name in PATH_COLUMNS:
             if new[name].ndim == 1:
                 new[name] = new[name][:, None]
-        flags = compute_flags(new, self.thresholds, self.mode)
+        flags = flag_steps(new, self.thresholds, self.mode)
         if start:
             new = {name: np.concatenate([previous.columns[name], new[name]]) for name in names}
-            flags = np.concatenate([previous.flags, flags])
-        return Columns(num_steps, new, flags)
+            flags = (np.concatenate([previous.flags, flags]) if previous.thresholds == self.thresholds
+                     else flag_steps(new, self.thresholds, self.mode))
+        return Columns(num_steps, new, flags, self.thresholds)
 
     def _check_counts(self, values: dict, start: int) -> None:
         """Every size the views derive from a step (histograms, path widths) is bounded by the trace's declared
@@ -166,6 +166,14 @@ class TraceSession:
         self.columns, self.flags, self.num_steps = loaded.columns, loaded.flags, loaded.num_steps
         self.rows = loaded.rows
         self.loaded = loaded.rows == loaded.num_steps
+        if loaded.thresholds != self.thresholds:  # read before set_thresholds: flag again
+            self.flags = flag_steps(self.columns, self.thresholds, self.mode) if self.rows else self.flags
+
+    def set_thresholds(self, thresholds: Thresholds) -> None:
+        """New anomaly thresholds: the flags of every step read so far are computed again (on the UI thread)."""
+        self.thresholds = thresholds
+        if self.rows:
+            self.flags = flag_steps(self.columns, thresholds, self.mode)
 
     def read_stage_times(self) -> dict[str, np.ndarray]:
         """Per-step stage timings {column: float64 [S]} (read when the run view first needs them)."""
@@ -266,25 +274,11 @@ class Columns:
     num_steps: int
     columns: dict
     flags: np.ndarray
+    thresholds: Optional[Thresholds] = None  # what the flags were computed with
 
     @property
     def rows(self) -> int:
         return len(self.flags)
-
-
-def compute_flags(columns: dict, thresholds: Thresholds, mode: str) -> np.ndarray:
-    """uint8 [S]: DIVERGED | DLOGIT | LOW_TAU | CACHE per step (padding past tau ignored)."""
-    c, t = columns, thresholds
-    tau = np.asarray(c["tau"])
-    committed, golden = c["committed_tokens"], c["golden_tokens"]
-    valid = np.arange(committed.shape[1])[None, :] < tau[:, None]
-    diverged = ((committed != golden) & valid & (golden >= 0)).any(axis=1)
-    with np.errstate(invalid="ignore"):
-        dlogit = (np.where(valid, np.abs(c["logit_max_abs_diff"]), 0) > t.dlogit).any(axis=1)
-        cache = np.abs(c["cache_max_abs_diff"]) > t.cache
-    low_tau = (tau < t.min_tau) if mode != "ar" else np.zeros(len(tau), bool)
-    flags = (diverged * DIVERGED) | (dlogit * DLOGIT) | (low_tau * LOW_TAU) | (cache * CACHE)
-    return flags.astype(np.uint8)
 
 
 def _nearest(sorted_hits: np.ndarray, index: int, direction: int) -> Optional[int]:

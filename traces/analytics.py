@@ -23,10 +23,11 @@ import numpy as np
 
 from kdspec.traces import budget as budget_mod
 from kdspec.traces.budget import BudgetCurve, CostModel, budget_taus, chain_taus
+from kdspec.traces.thresholds import Thresholds
 
 BINS = 10
 BLOCK_STEPS = 2048
-DEFAULT_LOGIT_NOISE = 2e-4  # two fp32 logits each within the golden tolerance 1e-4 (docs/architecture.md)
+DEFAULT_LOGIT_NOISE = Thresholds().logit_noise  # fp32: two logits each within the golden tolerance
 FIELDS = ("tau", "num_nodes", "accepted_nodes", "committed_tokens", "draft_ids", "draft_logprobs",
           "tree_parents", "tree_ranks", "tree_tokens", "tree_scores", "target_choice")
 OVERHEAD_STAGES = ("time_draft", "time_build", "time_accept", "time_compact")

@@ -8,14 +8,24 @@ import numpy as np
 
 from kdspec.traces.reader import TraceReader
 from kdspec.traces.summary import generated_tokens
+from kdspec.traces.thresholds import FLAG_KEYS, Thresholds, count_flags, thresholds_for
 
 
 def _fmt(x: float, spec: str = ".3g") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def info_text(reader: TraceReader) -> str:
-    """A human summary of a trace, a few lines."""
+def anomalies_text(reader: TraceReader, thresholds: Thresholds) -> str:
+    """One line: how many steps each anomaly flags under ``thresholds``, and the first of each."""
+    found = count_flags(reader, thresholds)
+    parts = [f"{key} {found[key]}" + (f" (first step {found['first'][key]})" if found[key] else "")
+             for key in FLAG_KEYS.values()]
+    return f"anomalies  {', '.join(parts)}; {thresholds.describe()}"
+
+
+def info_text(reader: TraceReader, thresholds: Optional[Thresholds] = None) -> str:
+    """A human summary of a trace, a few lines. ``thresholds``: what counts as an anomaly (default: the
+    trace's precision's, traces.thresholds)."""
     meta, s = reader.metadata, reader.summary()
     model = meta.get("model_config", {}).get("name", "?")
     lines = [
@@ -40,14 +50,16 @@ def info_text(reader: TraceReader) -> str:
     where = "" if s.max_logit_diff_at is None else f" at step {s.max_logit_diff_at[0]}, position {s.max_logit_diff_at[1]}"
     lines.append(f"golden     {golden}; worst |dlogit| {_fmt(s.max_logit_diff)}{where}")
     lines.append(f"cache      worst |dcache| {_fmt(s.max_cache_diff)}")
+    lines.append(anomalies_text(reader, thresholds or thresholds_for(meta)))
     times = "  ".join(f"{name} {_fmt(total * 1e3, '.1f')}" for name, total in s.stage_time_totals.items())
     lines.append(f"time (ms)  {times}")
     return "\n".join(lines)
 
 
-def info_json(reader: TraceReader) -> dict[str, Any]:
+def info_json(reader: TraceReader, thresholds: Optional[Thresholds] = None) -> dict[str, Any]:
     """JSON-serialisable summary (plain ints, floats, lists; NaN becomes None)."""
     meta, s = reader.metadata, reader.summary()
+    thresholds = thresholds or thresholds_for(meta)
 
     def num(x):
         return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
@@ -69,6 +81,9 @@ def info_json(reader: TraceReader) -> dict[str, Any]:
         "max_logit_diff_at": list(s.max_logit_diff_at) if s.max_logit_diff_at else None,
         "max_cache_diff": num(s.max_cache_diff),
         "stage_time_totals": {k: num(v) for k, v in s.stage_time_totals.items()},
+        "thresholds": {"dlogit": thresholds.dlogit, "cache": thresholds.cache, "min_tau": thresholds.min_tau,
+                       "precision": thresholds.precision},
+        "anomalies": count_flags(reader, thresholds),
     }
 
 
