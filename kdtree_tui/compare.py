@@ -1,16 +1,24 @@
-"""Aligning two traces of the same prompt by committed position (no Textual).
+"""Comparing two traces (no Textual): what differs between their runs, whether they committed the same text,
+and aligning them by committed position.
 
 Row r of an alignment is a position P where a step of A or of B starts (its prefix_len). Both traces
 commit the same text when they agree, so the rows where both start a step show where their step
 boundaries coincide; a row differs when the tokens the two traces commit from P up to the next row differ.
+Two traces are called identical only when their model and prompt are the same and they committed the same
+tokens, as many of them: tokens at equal positions after different prompts are not comparable text.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kdspec.kdtree_tui.session import TraceSession
+from kdspec.traces.thresholds import trace_precision
+
+# What a compare header lists for each run; a field whose values differ is marked.
+RUN_FIELDS = ("model", "drafter", "mode", "budget", "block", "backend", "precision", "seed", "temperature")
 
 
 @dataclass
@@ -66,3 +74,62 @@ def align(a: TraceSession, b: TraceSession) -> Alignment:
     differs[row_of_wrong[row_of_wrong >= 0]] = True
     first = int(wrong_positions[0]) if wrong_positions.size else None
     return Alignment(positions, a_step, b_step, differs, first)
+
+
+def run_facts(session: TraceSession) -> dict[str, Any]:
+    """RUN_FIELDS of one trace, from its metadata (a field the trace lacks reads "?")."""
+    meta = session.metadata
+    decode = meta.get("decode_config") if isinstance(meta.get("decode_config"), dict) else {}
+    model = meta.get("model_config") if isinstance(meta.get("model_config"), dict) else {}
+    mode = str(decode.get("mode", meta.get("mode", "?")))
+    drafter = decode.get("drafter") or ("none (AR)" if mode == "ar" else "?")
+    return {"model": model.get("name", "?"), "drafter": str(drafter), "mode": mode,
+            "budget": decode.get("budget", meta.get("budget", "?")),
+            "block": decode.get("block_size", meta.get("block_size", "?")), "backend": meta.get("backend", "?"),
+            "precision": trace_precision(meta), "seed": decode.get("seed", meta.get("seed", "?")),
+            "temperature": decode.get("temperature", "?")}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """identical: same model (name and configuration), same prompt, the same committed tokens, as many;
+    differences: the RUN_FIELDS whose values differ; reasons: why not identical (empty when identical)."""
+
+    identical: bool
+    differences: tuple[str, ...]
+    reasons: tuple[str, ...]
+
+
+def compare_runs(a: TraceSession, b: TraceSession, alignment: Alignment) -> Comparison:
+    facts_a, facts_b = run_facts(a), run_facts(b)
+    differences = tuple(name for name in RUN_FIELDS if facts_a[name] != facts_b[name])
+    reasons = []
+    model_a, model_b = a.metadata.get("model_config"), b.metadata.get("model_config")
+    if facts_a["model"] != facts_b["model"]:
+        reasons.append(f"different models ({facts_a['model']} / {facts_b['model']})")
+    elif _model_weights_config(model_a) != _model_weights_config(model_b):
+        reasons.append("different model configurations")
+    prompt_a, prompt_b = _prompt(a), _prompt(b)
+    same_prompt = prompt_a is not None and prompt_b is not None and np.array_equal(prompt_a, prompt_b)
+    if not same_prompt:
+        reasons.append("different prompts")
+    else:
+        (_, tokens_a), (_, tokens_b) = committed_stream(a), committed_stream(b)
+        if alignment.first_difference is not None:
+            reasons.append(f"first differing token at position {alignment.first_difference}")
+        elif len(tokens_a) != len(tokens_b):
+            reasons.append(f"A committed {len(tokens_a)} tokens, B {len(tokens_b)}")
+    return Comparison(not reasons, differences, tuple(reasons))
+
+
+def _model_weights_config(model: Any) -> Any:
+    """A model configuration without what does not change the model's function (its name; the weight dtype is
+    a run difference, reported as precision)."""
+    if not isinstance(model, dict):
+        return model
+    return {k: v for k, v in model.items() if k not in ("name", "weight_dtype")}
+
+
+def _prompt(session: TraceSession):
+    prompt = session.metadata.get("prompt_tokens")
+    return None if prompt is None else np.asarray(prompt, np.int64)

@@ -10,7 +10,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widgets import Static
 
-from kdspec.kdtree_tui.compare import Alignment, align
+from kdspec.kdtree_tui.compare import RUN_FIELDS, Alignment, align, compare_runs, run_facts
 from kdspec.kdtree_tui.palette import palette
 from kdspec.kdtree_tui.session import TraceSession
 
@@ -95,24 +95,33 @@ class ComparePanel(Vertical):
         rows = self.query_one(AlignedRows)
         rows.set_alignment(alignment)
         colours = palette(self.app.current_theme.dark)
-        both = int(((alignment.a_step >= 0) & (alignment.b_step >= 0)).sum())
-        header = Text()
-        for label, s in (("A", self.a), ("B", self.b)):
-            decode = s.metadata.get("decode_config") or {}
-            tau = s.columns["tau"]
-            header.append(f"{label}: {s.name}  budget {decode.get('budget', s.metadata.get('budget', '?'))}  "
-                          f"backend {s.metadata.get('backend', '?')}  {s.num_steps} steps, mean tau "
-                          f"{tau.mean() if len(tau) else float('nan'):.2f}\n")
-        header.append(f"{alignment.num_rows} step starts, {both} shared; "
-                      f"{int(alignment.differs.sum())} rows differ", style=colours["label"])
-        if alignment.first_difference is not None:
-            header.append(f"; first differing token at position {alignment.first_difference}", style=colours["diff"])
-        else:
-            header.append("; committed tokens identical", style=colours["ok"])
-        self.header = header
-        self.query_one("#compare-header", Static).update(header)
+        self.header = compare_header(self.a, self.b, alignment, colours)
+        self.query_one("#compare-header", Static).update(self.header)
 
     def follow_step(self, a_step: int) -> None:
         rows = self.query_one(AlignedRows)
         if rows.alignment is not None:
             rows.cursor = rows.alignment.row_of_a_step(a_step)
+
+
+def compare_header(a: TraceSession, b: TraceSession, alignment: Alignment, colours: dict) -> Text:
+    """Per trace its name, run (model, drafter, mode, budget, backend, precision, seed; what differs between the two
+    in the warning colour), steps and mean tau; then the verdict: identical only when model, prompt and every
+    committed token agree, else why not."""
+    comparison = compare_runs(a, b, alignment)
+    header = Text()
+    for label, s in (("A", a), ("B", b)):
+        facts = run_facts(s)
+        tau = s.columns["tau"]
+        header.append(f"{label}: {s.name}  ", style="bold")
+        for name in RUN_FIELDS:
+            header.append(f"{name} {facts[name]}  ", style=colours["warn"] if name in comparison.differences else "")
+        header.append(f"{s.num_steps} steps, mean tau {tau.mean() if len(tau) else float('nan'):.2f}\n")
+    both = int(((alignment.a_step >= 0) & (alignment.b_step >= 0)).sum())
+    header.append(f"{alignment.num_rows} step starts, {both} shared; {int(alignment.differs.sum())} rows differ; ",
+                  style=colours["label"])
+    if comparison.identical:
+        header.append("same model and prompt, committed tokens identical", style=colours["ok"])
+    else:
+        header.append("the runs differ: " + "; ".join(comparison.reasons), style=colours["diff"])
+    return header
