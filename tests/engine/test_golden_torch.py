@@ -1,7 +1,8 @@
 """The golden on torch (engine/golden/arrays.py): the same reference math on torch float64 tensors equals the numpy
 golden to 1e-12, on the presets and the shipped pycoder-mini, and breaks routing and argmax ties as numpy does.
 
-Run on the CPU (CI has no torch: skipped there); device="cpu" runs the code a CUDA device runs, on CPU tensors.
+Run on the CPU (CI has no torch: skipped there); device="cpu" runs the code a CUDA device runs, on CPU tensors;
+where torch sees a GPU the equality runs on "cuda" as well.
 """
 import dataclasses
 
@@ -37,13 +38,18 @@ def _max_cache_diff(a: R.ReferenceCache, b: R.ReferenceCache, rows: int) -> floa
     return max(float(np.abs(x[:rows] - y[:rows]).max()) for x, y in zip(a.c + a.k_pe, b.c + b.k_pe))
 
 
+# the CPU everywhere torch is; the GPU too where torch sees one (the H200 runs this file as it is)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("name", ["tiny", "small", "mixed", "pycoder-mini"])
-def test_torch_golden_equals_the_numpy_golden(name, temperature):
+def test_torch_golden_equals_the_numpy_golden(name, temperature, device):
     cfg, weights = _weights(name)
     prompt = np.array([1, 17, 42, 5, 99, 3, 64, 8]) % cfg.vocab_size
     expected = R.decode(R.ReferenceModel(cfg, weights), prompt, NEW_TOKENS, temperature, seed=11)
-    on_torch = R.ReferenceModel(cfg, weights, device="cpu")
+    on_torch = R.ReferenceModel(cfg, weights, device=device)
     assert all(isinstance(w, torch.Tensor) and w.dtype == torch.float64 for w in on_torch.weights.values())
     assert isinstance(on_torch.new_cache(4).c[0], torch.Tensor)  # the math really ran on torch
     got = R.decode(on_torch, prompt, NEW_TOKENS, temperature, seed=11)
