@@ -16,10 +16,11 @@ from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal
+from textual.containers import Horizontal, ScrollableContainer
 from textual.widgets import Footer, Static, TabbedContent, TabPane
 from textual.worker import WorkerState, get_current_worker
 
+from kdspec.kdtree_tui.bookmarks import BookmarkFile
 from kdspec.kdtree_tui.commands import StepCommands
 from kdspec.kdtree_tui.messages import ColumnsLoaded, StepLoaded
 from kdspec.kdtree_tui.palette import palette
@@ -47,8 +48,8 @@ class TraceApp(App[int]):
     TITLE = "kdtree"
     COMMANDS = App.COMMANDS | {StepCommands}
     BINDINGS = [
-        Binding("j,down", "step(1)", "next", key_display="j"),
-        Binding("k,up", "step(-1)", "prev", key_display="k"),
+        Binding("j,down", "step(1)", "step", key_display="j/k"),
+        Binding("k,up", "step(-1)", "prev", show=False),
         Binding("pagedown", "step(10)", "+10", show=False),
         Binding("pageup", "step(-10)", "-10", show=False),
         Binding("home", "first", "first", show=False),
@@ -58,6 +59,10 @@ class TraceApp(App[int]):
         Binding("p", "previous_anomaly", "prev anomaly", show=False),
         Binding("b", "toggle_bookmark", "mark"),
         Binding("B", "next_bookmark", "next mark", show=False),
+        Binding("J", "scroll_view(1)", "scroll", key_display="J/K"),
+        Binding("K", "scroll_view(-1)", "scroll up", show=False),
+        Binding("H", "scroll_view_x(-1)", "scroll left", show=False),
+        Binding("L", "scroll_view_x(1)", "scroll right", show=False),
         Binding("1", "tab('tree')", "tree", show=False),
         Binding("2", "tab('logits')", "logits", show=False),
         Binding("3", "tab('cache')", "cache", show=False),
@@ -66,7 +71,7 @@ class TraceApp(App[int]):
         Binding("6", "tab('analytics')", "analytics", show=False),
         Binding("f", "toggle_follow", "follow", show=False),
         Binding("t", "thresholds", "thresholds", show=False),
-        Binding("d", "toggle_theme", "theme"),
+        Binding("d", "toggle_theme", "theme", show=False),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
     ]
@@ -78,6 +83,9 @@ class TraceApp(App[int]):
         # thresholds follow its own precision (traces.thresholds), overridden by the command line's values.
         self.session = TraceSession(path, threshold_overrides, opener)
         self.other = TraceSession(compare, threshold_overrides, opener) if compare else None
+        # Bookmarks live in a side file (kdtree_tui/bookmarks.py), read on mount: the trace is never written.
+        self.bookmark_file = BookmarkFile(path, str(self.session.metadata.get("start_time", "")))
+        self.bookmark_message = ""  # why the side file was not loaded / saved (status line, until the next save)
         self.following = follow
         self.cursor = 0
         self.record = None
@@ -111,6 +119,9 @@ class TraceApp(App[int]):
     def on_mount(self) -> None:
         self.theme_changed_signal.subscribe(self, lambda _theme: self.redraw())
         self.query_one(StepList).focus()
+        self.session.bookmarks, self.bookmark_message = self.bookmark_file.load()
+        if self.bookmark_message:
+            self.notify(self.bookmark_message, severity="error", timeout=8)
         self.update_status()
         # The current step's record needs one row; the columns (one pass over every row) start after the
         # first frame, so they cannot delay it.
@@ -245,7 +256,7 @@ class TraceApp(App[int]):
         record, s, colours = self.record, self.session, self.colours
         if record is None:
             return
-        self.query_one(TreePanel).show(record, s.vocabulary, colours)
+        self.query_one(TreePanel).show(record, s.vocabulary, colours, int(s.metadata.get("budget", 0) or 0))
         self.query_one(LogitsPanel).show(record, s.vocabulary, colours, s.thresholds.dlogit)
         self.query_one(CachePanel).show(record, colours, s.thresholds.cache)
         self.query_one(AnalyticsPanel).show_step(record)
@@ -276,6 +287,8 @@ class TraceApp(App[int]):
             text.append(" following" + ("" if s.is_complete else " (recording)"), style=colours["warn"])
         if self.message:
             text.append("  " + self.message, style=colours["bad"])
+        if self.bookmark_message:
+            text.append("  " + self.bookmark_message, style=colours["bad"])
         self.status_text = text
         # One fixed-height line: a layout pass (and the frames it costs every step key) would change nothing.
         self.query_one("#status", Static).update(text, layout=False)
@@ -365,8 +378,12 @@ class TraceApp(App[int]):
     def action_toggle_bookmark(self) -> None:
         if self.session.num_steps:
             self.session.toggle_bookmark(self.cursor)
+            saved, message = self.bookmark_file.save(self.session.bookmarks)
             self.query_one(StepList).refresh()
+            self.bookmark_message = "" if saved else message
             self.update_status()
+            if message:
+                self.notify(message, severity="information" if saved else "error", timeout=6)
 
     def action_next_bookmark(self) -> None:
         self._jump(self.session.next_bookmark(self.cursor), "bookmarks (b sets one)")
@@ -407,7 +424,26 @@ class TraceApp(App[int]):
         self.notify(f"anomalies: {thresholds.describe()}", timeout=4)
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        self.push_screen(HelpScreen(self.bookmark_file.path))
+
+    def _shown_view(self):
+        """The scrollable widget of the tab on screen (None: none)."""
+        pane = self.query_one(TabbedContent).active_pane
+        if pane is None:
+            return None
+        return next((w for w in pane.walk_children() if isinstance(w, ScrollableContainer)), None)
+
+    def action_scroll_view(self, direction: int) -> None:
+        """J / K: the view on screen half a page down (1) / up (-1)."""
+        view = self._shown_view()
+        if view is not None:
+            view.scroll_relative(y=direction * max(1, view.scrollable_content_region.height // 2), animate=False)
+
+    def action_scroll_view_x(self, direction: int) -> None:
+        """H / L: the view on screen a quarter of its width left (-1) / right (1)."""
+        view = self._shown_view()
+        if view is not None:
+            view.scroll_relative(x=direction * max(1, view.scrollable_content_region.width // 4), animate=False)
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         self._flush_tab(event.pane.id)

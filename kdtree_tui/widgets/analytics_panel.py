@@ -22,6 +22,13 @@ RELIABILITY_HEIGHT = 8
 RANK_COLUMNS = 6   # ranks shown one column each; the rest summed into "rN+"
 WHY_SEARCH = 1024  # pops replayed per step key to find the budget a missing node needed
 READ_ERRORS = (TraceError, OSError, IndexError, KeyError, ValueError, RuntimeError)
+# Section titles and table headers (rN: drafter rank N; rN+: ranks N and up), each explained by screens.GLOSSARY.
+SECTIONS = ("stops", "acceptance", "given d-1", "tau over steps", "target token's rank", "calibration", "ECE",
+            "budget curve", "chain", "cost")
+RANK_HEAD = ("d", "rN", "rN+", "none", "n")
+CALIBRATION_HEAD = ("d", "rN said→got")
+BUDGET_HEAD = ("B'", "tau", "tok/s", "best")
+TERMS = SECTIONS + RANK_HEAD + CALIBRATION_HEAD + BUDGET_HEAD
 
 
 def render_why(why: Optional[WhyTau], token_text: Callable[[int], str], colours: dict, width: int = 76) -> Text:
@@ -77,8 +84,9 @@ def render_rank_histogram(a: TraceAnalytics, colours: dict) -> Text:
         return text
     k = a.draft_topk
     shown = min(k, RANK_COLUMNS)
-    heads = [f"r{r}" for r in range(shown)] + ([f"r{shown}+"] if k > shown else []) + ["none"]
-    text.append("   d" + "".join(f"{h:>5}" for h in heads) + "      n\n", style=colours["muted"])
+    heads = [f"r{r}" for r in range(shown)] + ([f"r{shown}+"] if k > shown else []) + [RANK_HEAD[3]]
+    text.append(f"{RANK_HEAD[0]:>4}" + "".join(f"{h:>5}" for h in heads) + f"{RANK_HEAD[-1]:>7}\n",
+                style=colours["muted"])
     for d, row in enumerate(a.rank_histogram, 1):
         cells = list(row[:shown]) + ([int(row[shown:k].sum())] if k > shown else []) + [int(row[k])]
         n = int(row.sum())
@@ -102,7 +110,8 @@ def render_reliability(a: TraceAnalytics, colours: dict, width: int) -> Text:
     _wrapped(text, "  x: stated p; bar: measured rate; · stated (calibrated: the bar ends at its ·)", width,
              colours["muted"])
     ranks = min(a.draft_topk, 3)
-    text.append("   d" + "".join(f"{f'r{r} said→got':>12}" for r in range(ranks)) + "\n", style=colours["muted"])
+    text.append(f"{CALIBRATION_HEAD[0]:>4}" + "".join(f"{f'r{r} said→got':>12}" for r in range(ranks)) + "\n",
+                style=colours["muted"])
     for d in range(a.num_depths):
         cells = [f"{c.stated[d, r]:.2f}→{c.measured[d, r]:.2f}" if c.count[d, r] else "-" for r in range(ranks)]
         text.append(f"{d + 1:>4}" + "".join(f"{x:>12}" for x in cells) + "\n")
@@ -113,7 +122,7 @@ def render_budget_curve(a: TraceAnalytics, colours: dict, width: int) -> Text:
     curve = a.curve
     rate = curve.tokens_per_second
     text = Text("budget curve: exact tau per budget B'\n", style=colours["label"])
-    text.append("   B'    tau    tok/s\n", style=colours["muted"])
+    text.append(f"{BUDGET_HEAD[0]:>5} {BUDGET_HEAD[1]:>6} {BUDGET_HEAD[2]:>8}\n", style=colours["muted"])
     values = rate if rate is not None else curve.mean_tau
     top = max((v for v in values if math.isfinite(v)), default=1.0)
     for i in shown_budgets(curve.budgets, curve.best_budget):

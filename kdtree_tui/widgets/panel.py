@@ -17,6 +17,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 TextSource = Union[Text, Callable[[], Text]]
+DEFAULT_TEXT_WIDTH = 76  # a panel's text width before its first layout (an 80-column terminal's modal)
 
 
 class TextPanel(ScrollView):
@@ -84,6 +85,15 @@ class TextPanel(ScrollView):
 
     def on_show(self) -> None:
         self.flush()
+
+    def text_width(self) -> int:
+        """The cells a line may take without a horizontal scroll: the content width less the vertical scroll bar
+        (counted whether or not it shows now, so the answer does not change when a longer text brings it);
+        DEFAULT_TEXT_WIDTH before the panel is laid out."""
+        width = self.scrollable_content_region.width
+        if width <= 0:
+            return DEFAULT_TEXT_WIDTH
+        return width - (0 if self.show_vertical_scrollbar else self.styles.scrollbar_size_vertical)
 
     def render_lines(self, crop: Region) -> list[Strip]:
         # The widget's style, once per frame: rich_style walks every ancestor (0.1 ms a call, per line).

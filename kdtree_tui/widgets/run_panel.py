@@ -10,6 +10,9 @@ from textual.widgets import Sparkline, Static
 
 from kdspec.kdtree_tui.session import TraceSession, format_seconds, tokens_text
 
+ROWS = ("model", "mode", "decode", "prompt")
+SECTIONS = ("tau histogram", "acceptance by depth", "stage timings", "output")
+TERMS = ROWS + SECTIONS  # each explained by screens.GLOSSARY
 OUTPUT_WINDOW = 300  # steps of output text shown either side of the current step
 BAR = 24
 SPARK_BUCKETS = 512
@@ -25,10 +28,10 @@ def render_metadata(session: TraceSession, colours: dict) -> Text:
     model_bits = [str(model.get("name", "?"))] + [f"{k} {model[k]}" for k in
                   ("hidden_size", "num_hidden_layers", "n_routed_experts", "vocab_size") if k in model]
     decode_bits = [f"{k} {v}" for k, v in decode.items() if k != "tokenizer"]
-    rows = [("model", ", ".join(model_bits)), ("mode", f"{session.mode}, backend {m.get('backend', '?')}, "
-            f"device {m.get('device', '?')}, seed {m.get('seed', '?')}"), ("decode", ", ".join(decode_bits)),
-            ("prompt", repr(tokens_text(np.asarray(m.get("prompt_tokens", [])).tolist(), session.vocabulary)))]
-    for label, value in rows:
+    values = (", ".join(model_bits), f"{session.mode}, backend {m.get('backend', '?')}, device {m.get('device', '?')}, "
+              f"seed {m.get('seed', '?')}", ", ".join(decode_bits),
+              repr(tokens_text(np.asarray(m.get("prompt_tokens", [])).tolist(), session.vocabulary)))
+    for label, value in zip(ROWS, values):
         text.append(f"{label:<8}", style=colours["muted"])
         text.append(value + "\n")
     return text
@@ -46,18 +49,18 @@ def render_stats(session: TraceSession, colours: dict, stage_times: Optional[dic
     max_tau = int(tau.max()) if steps else 1
     width = max(max_tau, int(session.metadata.get("block_size", max_tau) or max_tau))
     counts = np.bincount(tau, minlength=width + 1) if steps else np.zeros(width + 1, int)
-    text.append("tau histogram\n", style=colours["label"])
+    text.append(f"{SECTIONS[0]}\n", style=colours["label"])
     top = max(int(counts.max()), 1)
     for t in range(1, width + 1):
         bar = "#" * int(round(BAR * counts[t] / top))
         text.append(f"  tau {t:>2} {counts[t]:>7} ")
         text.append(bar + "\n", style=colours["step_a"])
-    text.append("acceptance by depth (steps whose accepted path reached depth d)\n", style=colours["label"])
+    text.append(f"{SECTIONS[1]} (steps whose accepted path reached depth d)\n", style=colours["label"])
     for d in range(1, width):
         rate = float(np.mean(tau >= d + 1)) if steps else 0.0
         text.append(f"  d {d:>2} {rate:>7.1%} ")
         text.append("#" * int(round(BAR * rate)) + "\n", style=colours["step_b"])
-    text.append("stage timings (total, per step)\n", style=colours["label"])
+    text.append(f"{SECTIONS[2]} (total, per step)\n", style=colours["label"])
     if stage_times is None:
         text.append("  reading...\n", style=colours["muted"])
     else:
@@ -75,7 +78,7 @@ def render_output(session: TraceSession, colours: dict, cursor: int) -> Text:
     if not session.loaded or session.num_steps == 0:
         return text
     lo, hi = max(0, cursor - OUTPUT_WINDOW), min(session.num_steps, cursor + OUTPUT_WINDOW + 1)
-    text.append(f"output, steps {lo}..{hi - 1} (current step underlined)\n", style=colours["label"])
+    text.append(f"{SECTIONS[3]}, steps {lo}..{hi - 1} (current step underlined)\n", style=colours["label"])
     for i in range(lo, hi):
         style = colours["step_a" if i % 2 == 0 else "step_b"]
         if i == cursor:

@@ -22,6 +22,8 @@ from kdspec.kdtree_tui.palette import palette
 from kdspec.kdtree_tui.session import CACHE, DIVERGED, DLOGIT, LOW_TAU, TraceSession
 
 FLAG_MARKS = ((DIVERGED, "x", "bad"), (DLOGIT, "d", "warn"), (LOW_TAU, "s", "warn"), (CACHE, "c", "bad"))
+BOOKMARK, PREFIX, TAU = "*", "P", "t"  # a line: bookmark mark, step, P<prefix length>, t<tau>, flags, text
+TERMS = (BOOKMARK, PREFIX, TAU) + tuple(mark for _, mark, _ in FLAG_MARKS)  # each explained by screens.GLOSSARY
 
 
 class StepList(ScrollView, can_focus=True):
@@ -105,10 +107,10 @@ class StepList(ScrollView, can_focus=True):
         c = s.columns
         flags = int(s.flags[index])
         text = Text()
-        text.append("*" if index in s.bookmarks else " ", style=colours["bookmark"])
+        text.append(BOOKMARK if index in s.bookmarks else " ", style=colours["bookmark"])
         text.append(f"{index:>6} ")
-        text.append(f"P{int(c['prefix_len'][index]):<6}", style=colours["muted"])
-        text.append(f"t{int(c['tau'][index]):<2} ")
+        text.append(f"{PREFIX}{int(c['prefix_len'][index]):<6}", style=colours["muted"])
+        text.append(f"{TAU}{int(c['tau'][index]):<2} ")
         for bit, mark, colour in FLAG_MARKS:
             text.append(mark if flags & bit else " ", style=colours[colour])
         text.append(" ")

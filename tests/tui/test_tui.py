@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -41,6 +42,42 @@ def sha(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
+TOKEN = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
+TREE_ROW = re.compile(rf"^(?P<guide>[|`+\- ]*)(?P<mark>[o.]) (?P<token>{TOKEN})\s+(?P<target>{TOKEN})\s+(?P<rest>.*)$")
+
+
+def check_tree_rows(plain: str, r: dict) -> None:
+    """The tree panel's text against the record: header lines, then a row per node in depth-first order with the
+    node's token, the target's choice, node, d, r, lp and score, indented two cells a depth."""
+    lines = plain.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("tree "))
+    assert lines[head].split() == ["tree", "target", "node", "d", "r", "lp", "score", "note"]
+    above = " ".join(lines[:head])
+    assert "accepted " + " > ".join(str(int(a)) for a in r["accepted_nodes"]) in above
+    assert f"bonus {text_of([r['bonus_token']])!r}" in above
+    rows = lines[head + 1:]
+    assert len(rows) == len(r["tree_tokens"])
+    accepted, seen = set(r["accepted_nodes"].tolist()), []
+    for line in rows:
+        m = TREE_ROW.match(line)
+        assert m, line
+        cells = m["rest"].split()
+        node = int(cells[0])
+        assert r["tree_parents"][node] in seen or node == 0, "a node's parent comes before it"
+        seen.append(node)
+        depth, rank = int(r["tree_depths"][node]), int(r["tree_ranks"][node])
+        assert len(m["guide"]) == 2 * depth
+        assert m["token"] == repr(text_of([r["tree_tokens"][node]]))
+        assert m["target"] == repr(text_of([r["target_choice"][node]]))
+        assert (m["mark"] == "o") == (node in accepted)
+        assert cells[1:3] == [str(depth), str(rank)]
+        if node:
+            lp = r["draft_logprobs"][depth - 1, rank]
+            assert cells[3:5] == [f"{lp:+.2f}", f"{r['tree_scores'][node]:+.2f}"]
+        assert ("bonus" in cells) == (node == int(r["accepted_nodes"][-1]))
+    assert sorted(seen) == list(range(len(r["tree_tokens"])))
+
+
 @run_async
 async def test_navigation_keys_and_panels(trace, records):
     before = sha(trace)
@@ -57,20 +94,9 @@ async def test_navigation_keys_and_panels(trace, records):
             assert f"step {want}/{len(records) - 1}" in app.status_text.plain
             assert app.record.index == want
         r = records[9]
-        # Tree: one line per node plus the header; the accepted path and bonus as recorded.
-        tree = app.query_one("#tree-panel").plain.splitlines()
-        assert len(tree) == 1 + len(r["tree_tokens"])
-        accepted = " > ".join(str(int(a)) for a in r["accepted_nodes"])
-        assert f"accepted {accepted}" in tree[0]
-        assert f"bonus {text_of([r['bonus_token']])!r}" in tree[0]
-        for node in range(len(r["tree_tokens"])):
-            line = next(l for l in tree[1:] if f"#{node:<3}" in l)
-            assert repr(text_of([r["tree_tokens"][node]])) in line
-            assert f"-> {text_of([r['target_choice'][node]])!r}" in line
-            assert ("o " in line) == (node in set(r["accepted_nodes"].tolist()))
-            if node:
-                lp = r["draft_logprobs"][r["tree_depths"][node] - 1, r["tree_ranks"][node]]
-                assert f"lp {lp:+.2f}" in line and f"d{r['tree_depths'][node]} r{r['tree_ranks'][node]}" in line
+        # Tree: the lines above the table name the accepted path and the bonus; then one row per node, every
+        # column as recorded (the panel is wide enough at 100x30 for all of them).
+        check_tree_rows(app.query_one("#tree-panel").plain, r)
         # Logits: one row per committed position with engine, golden, |dlogit| and margin.
         logits = app.query_one("#logits-panel").plain
         for j, (c, g) in enumerate(zip(r["committed_tokens"], r["golden_tokens"])):
@@ -109,7 +135,7 @@ async def test_anomaly_navigation_matches_brute_force(trace, records):
         await settle(app, pilot)
         assert "golden divergence" in app.status_text.plain
         assert "near-tie flip" in app.query_one("#logits-panel").plain
-        assert "x first mismatch: golden" in app.query_one("#tree-panel").plain
+        assert "x first mismatch at node 0: golden" in app.query_one("#tree-panel").plain
         app.go_to(21)
         await settle(app, pilot)
         assert "MISMATCH max |diff| 2.50e-01" in app.query_one("#cache-panel").plain

@@ -5,8 +5,8 @@ never from the app's own computations.
 """
 from __future__ import annotations
 
-from kdspec.kdtree_tui.screenshots import stable_opener  # noqa: F401  (re-exported to the snapshot tests)
 from kdspec.engine.bench.synthetic import synthetic_records, write_synthetic_trace
+from kdspec.kdtree_tui.screenshots import stable_opener  # noqa: F401  (re-exported to the snapshot tests)
 
 # A small trace: 120 steps, block 8, budget 16 (anomalies every 29 steps).
 SMALL_STEPS = 120
@@ -64,3 +64,43 @@ def run_async(test):
         return asyncio.run(test(*args, **kwargs))
 
     return wrapper
+
+
+def logits_trace(directory, name="logits.h5", steps=40, golden=lambda i: i % 3 != 2, seed=5, **shape):
+    """A synthetic trace recorded with save_logits: (path, records). Each record carries ``logits`` [tau, V]
+    (random, the committed token the argmax) and, for the steps where ``golden(step)``, ``golden_logits``: those
+    plus noise (float64)."""
+    import numpy as np
+    from kdspec.engine.bench.synthetic import synthetic_metadata
+    from kdspec.traces.writer import TraceWriter
+
+    meta = synthetic_metadata(**shape)
+    vocab = meta.model_config["vocab_size"]
+    rng = np.random.default_rng(seed)
+    path, records, output = directory / name, [], []
+    with TraceWriter(path, meta, save_logits=True, compression="lzf") as writer:
+        for i, r in enumerate(synthetic_records(steps, **shape)):
+            tau = len(r["accepted_nodes"])
+            logits = rng.standard_normal((tau, vocab)).astype(np.float32)
+            logits[np.arange(tau), r["committed_tokens"]] = 4.0
+            r = {**r, "logits": logits}
+            if golden(i):
+                r["golden_logits"] = logits.astype(np.float64) + rng.normal(0.0, 0.3, (tau, vocab))
+            writer.write_step(r)
+            records.append(r)
+            output.extend(([int(r["root_token"])] if not output else []) + r["committed_tokens"].tolist())
+        writer.finish(output)
+    return str(path), records
+
+
+def screen_text(app) -> str:
+    """The app's screen as plain text (what export_screenshot draws, without the SVG)."""
+    import io
+
+    from rich.console import Console
+
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), force_terminal=True, color_system="truecolor",
+                      record=True, legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text()
