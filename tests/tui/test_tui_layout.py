@@ -232,3 +232,21 @@ async def test_saved_logits_in_the_app(saved, size):
         assert "engine p" in panel.plain and "golden p" in panel.plain
         assert max(len(line) for line in panel.plain.split("\n")) <= panel.text_width()
         assert not panel.show_horizontal_scrollbar
+
+
+@run_async
+async def test_a_resized_terminal_lays_the_views_out_again(traces):
+    path, records = traces["deep"]
+    app = TraceApp(path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        app.go_to(2)
+        await settle(app, pilot)
+        panel = app.query_one(TreePanel)
+        wide = next(line for line in panel.plain.split("\n") if line.startswith("tree ")).split()
+        assert tuple(wide) == tree_panel.HEADERS
+        await pilot.resize_terminal(80, 24)
+        await settle(app, pilot)
+        check_tree(panel, records[2], full=False)
+        narrow = next(line for line in panel.plain.split("\n") if line.startswith("tree ")).split()
+        assert len(narrow) < len(wide) and "target" in narrow
