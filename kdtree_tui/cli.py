@@ -153,8 +153,9 @@ def record_trace(model: str, out: str, prompt_ids: list[int], config, *, backend
         with _sigterm_interrupts():
             engine, run, where, seconds = _load_with_golden(model, prompt_ids, config, backend, weight_dtype, golden,
                                                             bar)
-            writer = _open_writer(out, engine, model, prompt_ids, config, force, lock, where)
-            result = _decode_into(writer, engine, prompt_ids, config, run, bar)
+            drafter = _make_drafter(engine, prompt_ids, config, run)   # before the output is touched
+            writer = _open_writer(out, engine, model, prompt_ids, config, force, lock, where, drafter, seconds)
+            result = _decode_into(writer, engine, prompt_ids, config, run, bar, drafter)
     finally:
         lock.release()  # the writer gave it back already, unless it was never opened
     return dict(out=out, backend=engine.backend, device=_device_name(engine.backend), steps=result.steps,
@@ -228,11 +229,24 @@ def _gpu_memory_is_usage(where: str):
         raise
 
 
+def _make_drafter(engine, prompt_ids: list[int], config, golden):
+    """The run's drafter object (None for AR), built before the writer opens: a drafter that cannot load is one
+    line and leaves the output untouched."""
+    try:
+        return engine.make_drafter(engine.encode_prompt(prompt_ids), config, golden)
+    except ValueError as e:  # DrafterError included
+        raise UsageError(str(e).splitlines()[0]) from None
+
+
 def _open_writer(out: str, engine, model: str, prompt_ids: list[int], config, force: bool, lock=None,
-                 golden: str | None = None):
+                 golden: str | None = None, drafter=None, golden_seconds: float | None = None):
     """The trace writer of a run of ``config`` on ``engine``: its decode_config is the resolved config's dict and
-    where the golden ran (key golden: cpu | gpu | none, when given); a BPE model's vocabulary goes in, so that
-    the viewer shows text without the tokenizer."""
+    where the golden ran (key golden: cpu | gpu | none, when given); the drafter's name, configuration and digest
+    and the golden's seconds go into the run metadata; a BPE model's vocabulary goes in, so that the viewer shows
+    text without the tokenizer."""
+    import math
+
+    from kdspec.engine.decode.drafters import drafter_metadata
     from kdspec.engine.model.tokenizer import vocabulary_bytes
     from kdspec.traces import RunMetadata, TraceError, TraceWriter
 
@@ -242,16 +256,19 @@ def _open_writer(out: str, engine, model: str, prompt_ids: list[int], config, fo
                       backend=engine.backend, device=_device_name(engine.backend), prompt_tokens=prompt_ids,
                       versions=_versions(), tokenizer=engine.tokenizer.name,
                       vocabulary=None if engine.tokenizer.name == "byte" else
-                      vocabulary_bytes(engine.tokenizer, engine.cfg.vocab_size))
+                      vocabulary_bytes(engine.tokenizer, engine.cfg.vocab_size),
+                      drafter=drafter_metadata(drafter, config),
+                      golden_seconds=math.nan if golden_seconds is None else golden_seconds)
     try:
         return TraceWriter(out, run, save_logits=config.record_logits, force=force, lock=lock)
     except TraceError as e:
         raise UsageError(str(e)) from None
 
 
-def _decode_into(writer, engine, prompt_ids: list[int], config, golden, bar):
+def _decode_into(writer, engine, prompt_ids: list[int], config, golden, bar, drafter=None):
     """Decode, writing each step's record; finish the trace (status "failed" when the run fails). ``golden``:
-    the golden run, or None (no comparison); ``bar``: the kdtree_tui.progress.Progress line."""
+    the golden run, or None (no comparison); ``bar``: the kdtree_tui.progress.Progress line; ``drafter``: the
+    run's drafter (None: AR, or built from config.drafter by the engine)."""
     import numpy as np
 
     from kdspec.traces import TraceError
@@ -263,7 +280,8 @@ def _decode_into(writer, engine, prompt_ids: list[int], config, golden, bar):
         bar.step(len(record["committed_tokens"]))
 
     try:
-        result = engine.generate(prompt_ids, config, golden=False if golden is None else golden, on_step=on_step)
+        result = engine.generate(prompt_ids, config, drafter=drafter, golden=False if golden is None else golden,
+                                 on_step=on_step)
         writer.finish(result.tokens, None if golden is None else np.asarray(golden.tokens)[:config.max_new_tokens])
     except TraceError as e:
         _close(writer, "failed")
@@ -593,7 +611,7 @@ def _add_demo_and_bench(sub) -> None:
     p.set_defaults(func=_cmd_demo)
     _add_train(sub.add_parser("train", help="train the shipped models (needs the `train` extra: torch, transformers)"))
     p = sub.add_parser("bench", help="benchmarks with their peers, side by side in one run (exit 1: a target missed)")
-    p.add_argument("suites", nargs="*", metavar="SUITE", help="tree, attention, moe, e2e, trace, tui (default all)")
+    p.add_argument("suites", nargs="*", metavar="SUITE", help="tree, attention, moe, e2e, trace, spec, tui (default all)")
     p.add_argument("--json", action="store_true", help="rows as JSON")
     p.add_argument("--quick", action="store_true", help="toy sizes: checks the suites run (numbers mean nothing)")
     p.set_defaults(func=_cmd_bench)

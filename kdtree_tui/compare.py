@@ -82,7 +82,8 @@ def run_facts(session: TraceSession) -> dict[str, Any]:
     decode = meta.get("decode_config") if isinstance(meta.get("decode_config"), dict) else {}
     model = meta.get("model_config") if isinstance(meta.get("model_config"), dict) else {}
     mode = str(decode.get("mode", meta.get("mode", "?")))
-    drafter = decode.get("drafter") or ("none (AR)" if mode == "ar" else "?")
+    recorded = meta.get("drafter") if isinstance(meta.get("drafter"), dict) else {}
+    drafter = recorded.get("name") or decode.get("drafter") or ("none (AR)" if mode == "ar" else "?")
     return {"model": model.get("name", "?"), "drafter": str(drafter), "mode": mode,
             "budget": decode.get("budget", meta.get("budget", "?")),
             "block": decode.get("block_size", meta.get("block_size", "?")), "backend": meta.get("backend", "?"),

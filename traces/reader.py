@@ -31,7 +31,7 @@ ATTRIBUTES: dict[str, tuple[type, Any]] = {
     "block_size": (int, _REQUIRED), "num_depths": (int, _REQUIRED), "budget": (int, _REQUIRED),
     "draft_topk": (int, _REQUIRED), "target_topk": (int, _REQUIRED), "save_logits": (bool, _REQUIRED),
     "vocab_size": (int, -1), "compression": (str, "None"), "time_trace_write_last": (float, float("nan")),
-    "tokenizer": (str, "byte"),
+    "tokenizer": (str, "byte"), "drafter": (dict, {}), "time_golden": (float, float("nan")),
 }
 # Rows per HDF5 read in column()/field()/fields(). HDF5 converts a compound field selection through a
 # buffer of whole rows (~2 KB each at budget 16), so reading 100k rows at once would peak at ~200 MB.
@@ -141,7 +141,7 @@ class TraceReader:
             if key not in meta:
                 if default is _REQUIRED:
                     raise TraceError(f"{self.path}: attribute {key!r} is missing")
-                meta[key] = default
+                meta[key] = dict(default) if isinstance(default, dict) else default  # older traces
                 continue
             meta[key] = self._typed(key, meta[key], kind)
         if meta["mode"] not in MODES:

@@ -15,6 +15,15 @@ def _fmt(x: float, spec: str = ".3g") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def drafter_text(meta: dict) -> str:
+    """The run's drafter: its name (the run metadata's, else the decode_config's) and a trained one's digest."""
+    drafter = meta.get("drafter") if isinstance(meta.get("drafter"), dict) else {}
+    decode = meta.get("decode_config") if isinstance(meta.get("decode_config"), dict) else {}
+    name = drafter.get("name") or decode.get("drafter") or ("none (AR)" if meta.get("mode") == "ar" else "?")
+    digest = drafter.get("digest")
+    return f"{name}" + (f"  digest {str(digest)[:16]}" if digest else "")
+
+
 def anomalies_text(reader: TraceReader, thresholds: Thresholds) -> str:
     """One line: how many steps each anomaly flags under ``thresholds``, and the first of each."""
     found = count_flags(reader, thresholds)
@@ -34,6 +43,7 @@ def info_text(reader: TraceReader, thresholds: Optional[Thresholds] = None) -> s
         f"seed {meta['seed']}",
         f"shape      block_size {meta['block_size']}  budget {meta['budget']}  draft top-K {meta['draft_topk']}  "
         f"prompt {len(reader.prompt_tokens)} tokens",
+        f"drafter    {drafter_text(meta)}",
         f"steps      {s.num_steps}  tokens {len(s.output_tokens)}  mean tau {_fmt(s.mean_tau, '.2f')}",
         "tau hist   " + "  ".join(f"{t}:{n}" for t, n in s.tau_histogram.items()),
     ]
@@ -67,7 +77,8 @@ def info_json(reader: TraceReader, thresholds: Optional[Thresholds] = None) -> d
     return {
         "path": reader.path, "schema_version": meta["schema_version"], "status": meta["status"],
         "model": meta.get("model_config", {}).get("name"), "model_config": meta.get("model_config"),
-        "decode_config": meta.get("decode_config"), "backend": meta["backend"], "device": meta["device"],
+        "decode_config": meta.get("decode_config"), "drafter": meta.get("drafter"),
+        "time_golden": num(meta.get("time_golden")), "backend": meta["backend"], "device": meta["device"],
         "mode": meta["mode"], "seed": meta["seed"], "start_time": meta["start_time"],
         "end_time": meta["end_time"] or None, "versions": meta.get("versions"),
         "prompt_tokens": [int(t) for t in reader.prompt_tokens],

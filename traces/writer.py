@@ -71,6 +71,9 @@ class RunMetadata:
     versions: package versions, merged over ``default_versions()``.
     tokenizer: "byte" (token id = byte) or "bpe"; vocabulary: the raw bytes of every token id 0..V-1 (a BPE
         model's), stored so that a viewer shows text with neither the tokenizer nor the model directory.
+    drafter: what drafted, JSON-serialisable: ``name`` (e.g. "oracle", "noisy:0.7", "dflash:DIR") and, for a
+        trained drafter, its ``config`` and the ``digest`` of its weights ({} for AR runs).
+    golden_seconds: wall seconds the float64 golden took before the first step (NaN: no golden, or not timed).
     """
 
     decode_config: Mapping[str, Any]
@@ -81,6 +84,8 @@ class RunMetadata:
     versions: Mapping[str, str] = field(default_factory=dict)
     tokenizer: str = "byte"
     vocabulary: Optional[Sequence[bytes]] = None
+    drafter: Mapping[str, Any] = field(default_factory=dict)
+    golden_seconds: float = math.nan
 
 
 def _run_shape(path: str, decode_config: Mapping[str, Any]) -> tuple[str, int, TraceDims]:
@@ -187,6 +192,8 @@ class TraceWriter:
             model_json = json.dumps(dict(run.model_config), sort_keys=True)
             decode_json = json.dumps(dict(run.decode_config), sort_keys=True)
             versions_json = json.dumps({**default_versions(), **dict(run.versions or {})}, sort_keys=True)
+            drafter_json = json.dumps(dict(run.drafter or {}), sort_keys=True)
+            golden_seconds = float(run.golden_seconds)
         except (TypeError, ValueError, RecursionError) as e:
             raise TraceError(f"{self.path}: metadata is not JSON-serialisable ({_first_line(e)})") from None
         d = self.dims
@@ -199,7 +206,8 @@ class TraceWriter:
                  "block_size": d.num_depths + 1, "num_depths": d.num_depths, "budget": d.budget,
                  "draft_topk": d.draft_topk, "target_topk": d.target_topk, "vocab_size": self.vocab_size,
                  "save_logits": self.save_logits, "compression": str(self._compression),
-                 "time_trace_write_last": math.nan, "tokenizer": str(run.tokenizer)}
+                 "time_trace_write_last": math.nan, "tokenizer": str(run.tokenizer), "drafter": drafter_json,
+                 "time_golden": golden_seconds}
         prompt = _int32_tokens(self.path, "prompt_tokens", run.prompt_tokens)
         vocabulary = None
         if run.vocabulary is not None:

@@ -200,6 +200,21 @@ class Engine:
         return self.golden(ids, reach if run.mode == "ddtree" else run.max_new_tokens, run.temperature, run.seed,
                            device)
 
+    def make_drafter(self, prompt_ids, config: DecodeConfig, golden: Optional[GoldenRun] = None):
+        """The drafter ``config.drafter`` names for a run of ``prompt_ids`` (None: an AR run, or none named): the
+        trained block drafter, or an oracle following ``golden`` (which it then needs). Raises DrafterError
+        (a ValueError) when a trained drafter cannot be loaded."""
+        if config.mode == "ar" or config.drafter is None:
+            return None
+        spec = parse_drafter(config.drafter)
+        resolved = config.resolved(self.cfg.vocab_size)
+        if spec.kind == "dflash":
+            return self.block_drafter(spec.path, resolved.topk)
+        if golden is None:
+            raise ValueError(f"drafter {config.drafter} follows the golden run: give it one")
+        return spec.build(np.concatenate([np.asarray(prompt_ids, dtype=np.int64), golden.tokens]),
+                          resolved.num_depths, resolved.topk, self.cfg.vocab_size, config.seed)
+
     def block_drafter(self, directory: Optional[str], top_k: int) -> BlockDrafter:
         """The trained block drafter in ``directory`` (None: ``drafter/`` beside the model) for this target."""
         if directory is None:
@@ -229,10 +244,7 @@ class Engine:
         if run is None and (golden is True or (spec is not None and spec.needs_golden)):
             run = self.golden_for(ids, config)
         if spec is not None:
-            resolved = config.resolved(self.cfg.vocab_size)
-            drafter = (self.block_drafter(spec.path, resolved.topk) if spec.kind == "dflash" else
-                       spec.build(np.concatenate([np.asarray(ids, dtype=np.int64), run.tokens]),
-                                  resolved.num_depths, resolved.topk, self.cfg.vocab_size, config.seed))
+            drafter = self.make_drafter(ids, config, run)
         golden = None if golden is False else run
         result = generate(self.model, ids, config, drafter, golden=golden, on_step=on_step, tree_ops=self.tree_ops)
         name = config.drafter or (None if drafter is None else type(drafter).__name__)

@@ -228,3 +228,14 @@ def parse_drafter(spec: str) -> DrafterSpec:
         return DrafterSpec("noisy", p)
     raise ValueError(f"unknown drafter {spec!r}: expected 'oracle', 'noisy:P' with P in [0, 1], 'dflash' or "
                      f"'dflash:DIR'")
+
+
+def drafter_metadata(drafter, config) -> dict:
+    """What a trace records of a run's drafter (traces.writer.RunMetadata.drafter): its name and, for a trained
+    block drafter, its configuration and the digest of its weights; {} without one."""
+    if drafter is None:
+        return {}
+    if isinstance(drafter, BlockDrafter):
+        return {"name": drafter.name, "config": drafter.cfg.to_dict(), "digest": drafter.digest}
+    return {"name": str(config.drafter or type(drafter).__name__)}
+
