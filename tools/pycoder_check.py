@@ -2,8 +2,8 @@
 
     python3 tools/pycoder_check.py OUT.json [BACKEND=cuda] [NEW_TOKENS=256]
 
-The prompts (tools/pycoder_heldout_prompts.json): the first 32 tokens (the opening <|endoftext|> and 31 more)
-of the first 8 held-out files longer than 64 tokens, in the held-out stream's order (docs/pycoder-mini.md).
+The prompts: the first 8 of engine/model/presets/pycoder-mini/heldout_prompts.json (tools/pycoder_prompts.py: the
+first 32 tokens of held-out files longer than 64 tokens, in the held-out stream's order; docs/pycoder-mini.md).
 A divergence prints the golden's top-1/top-2 margin there (a near-tie below 1e-4 is not a bug).
 """
 import json
@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 from kdspec.engine.decode import api
 from kdspec.engine.decode.config import DecodeConfig
+from kdspec.engine.model.checkpoint import model_directory
 
-prompts = json.load(open(Path(__file__).with_name("pycoder_heldout_prompts.json")))
+prompts = json.loads((Path(model_directory("pycoder-mini")) / "heldout_prompts.json").read_text())["prompts"][:8]
 t = time.time()
 engine = api.load("pycoder-mini", backend=sys.argv[2] if len(sys.argv) > 2 else "cuda")
 print("load", round(time.time() - t, 1), "s", flush=True)

@@ -11,18 +11,19 @@ from typing import Callable, Iterable, Optional, TextIO
 from kdspec.engine.bench.common import ceiling_rows, format_table, progress, row
 
 GPU_SUITES = ("tree", "attention", "moe", "e2e", "trace")  # this package's suites, measured against the GPU's ceilings
+HOST_SUITES = ("spec",)  # this package's suites that run anywhere (on the GPU where there is one)
 
 
 def run(suites: Optional[Iterable[str]] = None, json: bool = False, quick: bool = False,
         out: Optional[TextIO] = None, extra_suites: Optional[dict[str, Callable]] = None) -> list[dict]:
-    """Run ``suites`` (default all: GPU_SUITES, then extra_suites) and return their rows (the ceilings' rows first).
+    """Run ``suites`` (default all: GPU_SUITES, HOST_SUITES, then extra_suites) and return their rows (the ceilings' rows first).
 
     extra_suites: name -> run(quick=...) of suites that live outside the engine (the command line passes the
     TUI's own). A suite that fails gives one row with ok False and the error's first line, and the others still
     run. quick: toy sizes (CUDA simulator / CI): checks that the suites run, the numbers mean nothing.
     """
     extra_suites = dict(extra_suites or {})
-    known = list(GPU_SUITES) + list(extra_suites)
+    known = list(GPU_SUITES) + list(HOST_SUITES) + list(extra_suites)
     names = list(suites) if suites else known
     unknown = [n for n in names if n not in known]
     if unknown:
