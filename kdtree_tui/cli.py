@@ -588,8 +588,8 @@ def _add_trace_commands(sub) -> None:
     p.add_argument("--nodes", action="store_true", help="one row per tree node instead of per step")
     p.add_argument("--out", metavar="FILE", help="write here (default: stdout)")
     p.set_defaults(func=_cmd_export)
-    p = sub.add_parser("check", help="exit 0 when a trace is intact and equals the golden, 1 when it diverges, "
-                                     "2 when unreadable")
+    p = sub.add_parser("check", help="exit 0 when a trace is intact and equals the golden (or is intact, recorded "
+                                     "with --golden none), 1 when it diverges, 2 when unreadable")
     p.add_argument("trace")
     p.set_defaults(func=_cmd_check)
     p = sub.add_parser("tui", help="replay a trace step by step in the terminal debugger")
