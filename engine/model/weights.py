@@ -6,7 +6,9 @@ model, the checkpoint reader and writer) speaks this dictionary.
 """
 from __future__ import annotations
 
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -82,9 +84,20 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype=np.float32
     return out.astype(dtype, copy=False)
 
 
-def random_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
-    """All parameters, seeded; float32 by default (the golden widens to float64 itself)."""
-    return {name: random_tensor(name, shape, seed, dtype) for name, shape in parameter_shapes(cfg).items()}
+def random_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32, workers: int | None = None) -> dict[str, np.ndarray]:
+    """All parameters, seeded; float32 by default (the golden widens to float64 itself).
+
+    Each tensor draws from its own generator (seed, name), so the tensors are made in ``workers`` threads
+    (default: one per CPU; numpy's generators release the GIL for bulk draws) with the same values as one thread
+    gives: k2-mini's 28 GiB take minutes on one core.
+    """
+    shapes = parameter_shapes(cfg)
+    workers = min(len(shapes), workers or os.cpu_count() or 1)
+    if workers <= 1:
+        return {name: random_tensor(name, shape, seed, dtype) for name, shape in shapes.items()}
+    with ThreadPoolExecutor(workers) as pool:
+        tensors = list(pool.map(lambda item: random_tensor(item[0], item[1], seed, dtype), shapes.items()))
+    return dict(zip(shapes, tensors))
 
 
 class WeightError(ValueError):

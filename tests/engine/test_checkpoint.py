@@ -673,3 +673,15 @@ def test_save_errors(tmp_path):
 def test_quantization_config_constant_is_deepseeks():
     assert FP8_QUANTIZATION_CONFIG == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                        "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize("workers", [2, 3, 8])
+def test_random_weights_in_threads_equal_one_thread(workers):
+    from kdspec.engine.model.weights import random_tensor
+    cfg = PRESETS["small"]
+    one = random_weights(cfg, 5, workers=1)
+    many = random_weights(cfg, 5, workers=workers)
+    assert list(one) == list(many)
+    assert all(np.array_equal(one[k], many[k]) and one[k].dtype == many[k].dtype for k in one)
+    name = [k for k in one if ".experts.3.up_proj" in k][0]   # and each equals its own generator's draw
+    assert np.array_equal(many[name], random_tensor(name, many[name].shape, 5))
