@@ -84,7 +84,8 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype=np.float32
     return out.astype(dtype, copy=False)
 
 
-def random_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32, workers: int | None = None) -> dict[str, np.ndarray]:
+def random_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32,
+                   workers: int | None = None) -> dict[str, np.ndarray]:
     """All parameters, seeded; float32 by default (the golden widens to float64 itself).
 
     Each tensor draws from its own generator (seed, name), so the tensors are made in ``workers`` threads

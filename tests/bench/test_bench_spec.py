@@ -51,8 +51,8 @@ class FakeResult:
 def test_totals_combine_prompts_as_one_sample(tmp_path):
     """Acceptance per depth over two prompts equals the share of all their steps reaching each depth, from the
     taus alone; the combined ECE of one prompt is that prompt's own analytics' ECE."""
-    from kdspec.engine.decode.config import DecodeConfig
     from kdspec.engine.decode import api
+    from kdspec.engine.decode.config import DecodeConfig
     engine = api.load(spec.MODEL, backend="reference")
     config = DecodeConfig(10, mode="ddtree", block_size=spec.BLOCK_SIZE, budget=8, drafter="dflash")
     total, single, analytics_of, taus = spec._Totals(), spec._Totals(), [], []
