@@ -16,8 +16,9 @@ import numpy as np
 
 from kdspec.traces.schema import TARGET_TOPK
 
-# Record keys beyond the schema's fields: full logits of the committed positions (DecodeConfig.record_logits).
-EXTRA_FIELDS = ("logits",)
+# Record keys beyond the schema's fields (DecodeConfig.record_logits): the engine's full logits of the committed
+# positions and, with a golden run, the golden's there (traces.schema.LOGITS_KEYS).
+EXTRA_FIELDS = ("logits", "golden_logits")
 
 
 @dataclass
@@ -113,6 +114,16 @@ def golden_agreement(logits: np.ndarray, positions: np.ndarray, prompt_len: int,
     return tokens, diffs
 
 
+def golden_logit_rows(positions: np.ndarray, prompt_len: int, golden) -> np.ndarray:
+    """float64 [s, V]: the golden run's logits that chose the tokens at absolute ``positions`` [s] (NaN rows where
+    it does not reach), indexed as golden_agreement does."""
+    out = np.full((len(positions), golden.logits.shape[1]), np.nan)
+    for j, i in enumerate(np.asarray(positions) - prompt_len):
+        if 0 <= i < len(golden.tokens):
+            out[j] = golden.logits[i]
+    return out
+
+
 def target_topk(logits: np.ndarray, k: int = TARGET_TOPK):
     """Per node of logits [N+1, V]: top-k ids int32 [N+1, k], logits float32 [N+1, k] (ties -> lower id; past
     V padded with -1 / NaN) and the top-1 minus top-2 margin float32 [N+1] (+inf when V == 1)."""
@@ -143,7 +154,8 @@ def read_target(step: StepOutcome, accepted_rows: bool) -> TargetReadout:
 def step_record(step: StepOutcome, target: TargetReadout, golden: Optional[GoldenCompare] = None,
                 keep_logits: bool = False) -> dict:
     """The record of one step (fields: docs/trace-format.md). AR steps have no draft fields (L = 0, and the
-    trace holds none when L*K == 0). ``keep_logits``: also ``logits`` float32 [tau, V]."""
+    trace holds none when L*K == 0). ``keep_logits``: also ``logits`` float32 [tau, V] and, with a golden run,
+    ``golden_logits`` float64 [tau, V]."""
     prefix_len, tau = step.prefix_len, len(step.accepted)
     tree = step.tree
     # The accepted nodes' logits chose the committed tokens, at positions P+1 .. P+tau.
@@ -185,4 +197,6 @@ def step_record(step: StepOutcome, target: TargetReadout, golden: Optional[Golde
     record.update({f"time_{stage}": float(seconds) for stage, seconds in step.times.items()})
     if keep_logits:
         record["logits"] = np.asarray(target.accepted_logits, dtype=np.float32)
+        if golden is not None:
+            record["golden_logits"] = golden_logit_rows(positions, golden.prompt_len, golden.run)
     return record
