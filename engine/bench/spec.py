@@ -8,7 +8,8 @@ top-K 1) and DDTree at BUDGETS (drafter top-K = min(B, V)), block size BLOCK_SIZ
   the prompts; ratio: against AR at the same temperature);
 - tokens equal to AR: speculative decoding must commit AR's tokens (at T = 1 too: the sampling noise is keyed by
   (seed, position), docs/ddtree.md), a run that does not misses its target;
-- acceptance per depth and the drafter's expected calibration error, by traces.analytics over the run's steps
+- acceptance per depth, the drafter's stated probability against the measured rate per (depth, rank) and its
+  expected calibration error, by traces.analytics over the run's steps
   (each prompt's steps recorded to a temporary trace and analysed there, then combined weighted by steps / by
   forecasts), the same numbers `kdtree info` gives for one trace.
 On a GPU the target runs on the cuda backend; elsewhere on the reference backend (float64: slow, but exact).
@@ -67,6 +68,7 @@ class _Totals:
         self.taus: list[int] = []
         self.reached = None          # sum over prompts of steps x reached[d]
         self.bins = None             # [3, BINS]: forecasts, sum of stated, sum of hits per bin
+        self.cells = None            # [3, L, K]: forecasts, sum of stated, sum of hits per (depth, rank)
 
     def add(self, result, ar_tokens, analytics) -> None:
         self.tokens += len(result.tokens)
@@ -83,6 +85,9 @@ class _Totals:
         count = np.nan_to_num(c.bin_count)
         bins = np.stack([count, count * np.nan_to_num(c.bin_stated), count * np.nan_to_num(c.bin_measured)])
         self.bins = bins if self.bins is None else self.bins + bins
+        cell_count = np.nan_to_num(c.count)
+        cells = np.stack([cell_count, cell_count * np.nan_to_num(c.stated), cell_count * np.nan_to_num(c.measured)])
+        self.cells = cells if self.cells is None else self.cells + cells
 
     @property
     def mean_tau(self) -> float:
@@ -96,6 +101,20 @@ class _Totals:
         if self.reached is None or not self.steps:
             return "-"
         return " ".join(f"{d + 1}:{r / self.steps:.2f}" for d, r in enumerate(self.reached))
+
+    def calibration(self, ranks: int = 2) -> str:
+        """Per depth, the drafter's mean stated probability and the measured rate for ranks 0..ranks-1."""
+        if self.cells is None:
+            return "-"
+        count, stated, hits = self.cells
+        parts = []
+        for d in range(count.shape[0]):
+            cells = []
+            for r in range(min(ranks, count.shape[1])):
+                n = count[d, r]
+                cells.append(f"r{r} {stated[d, r] / n:.2f}/{hits[d, r] / n:.2f}" if n else f"r{r} -")
+            parts.append(f"d{d + 1} " + " ".join(cells))
+        return "; ".join(parts)
 
     def ece(self) -> float:
         if self.bins is None or self.bins[0].sum() == 0:
@@ -157,8 +176,9 @@ def _rows(temperature: float, totals: dict, prompts: int, new_tokens: int, backe
             continue
         equal = total.equal == prompts
         rows.append(row(SUITE, f"T={temperature:g} {label} mean tau", total.mean_tau, "tok/step",
-                        note=f"{len(total.taus)} steps; acceptance per depth {total.acceptance()}; "
-                             f"drafter ECE {total.ece():.3f}"))
+                        note=f"{len(total.taus)} steps; acceptance per depth {total.acceptance()}"))
+        rows.append(row(SUITE, f"T={temperature:g} {label} drafter ECE", total.ece(), "",
+                        note=f"stated/measured per (depth, rank): {total.calibration()}"))
         rows.append(row(SUITE, f"T={temperature:g} {label} tokens/s", total.tokens_per_second, "tok/s",
                         peer="AR", peer_value=ar.tokens_per_second))
         rows.append(row(SUITE, f"T={temperature:g} {label} prompts equal to AR", total.equal, f"/{prompts}",
