@@ -1,5 +1,6 @@
-"""Token choice over the vocabulary, one block per row: argmax, top-k with margin, Gumbel-max sampling
-(grid-stride over rows: the simulator runs one block, numba_kernels.runtime.row_blocks).
+"""Token choice over the vocabulary, one block per row: argmax, top-k with margin, Gumbel-max sampling, and the
+log-softmax of a block drafter's logits (grid-stride over rows: the simulator runs one block,
+numba_kernels.runtime.row_blocks). Top-k of k > MAX_TOPK runs numba_kernels.topk_select (radix select).
 
 Large vocabularies (V > SPLIT_MIN_VOCAB, e.g. K2's 163840) are split: a first launch gives each (row, vocabulary
 chunk) its own block and keeps the chunk's best candidates, a second merges a row's candidates in one block. One
@@ -17,8 +18,9 @@ import numpy as np
 from numba import cuda, float32, float64, int32, uint64
 
 from kdspec.numba_kernels.host_arrays import as_device_array as to_device
-from kdspec.numba_kernels.reductions import INT32_MAX, block_argmax
+from kdspec.numba_kernels.reductions import INT32_MAX, block_argmax, block_max, block_sum
 from kdspec.numba_kernels.runtime import MAX_ROW_BLOCKS, ON_SIMULATOR, device_function, row_blocks
+from kdspec.numba_kernels.topk_select import topk_select_rows
 
 ROW_THREADS = 8 if ON_SIMULATOR else 256
 MAX_TOPK = 16
@@ -87,6 +89,24 @@ def sample_rows_kernel(logits, temperature, seed, positions, ids):
         best, best_id = block_argmax(best, int32(best_id), scratch, scratch_ids)
         if cuda.threadIdx.x == 0:
             ids[row] = best_id
+
+
+@cuda.jit
+def log_softmax_rows_kernel(logits, out):
+    """out[row] = (logits[row] - max) - log(sum(exp(logits[row] - max))) in float32; logits, out float32 [s, V]
+    (out may be logits itself). Grid-stride over rows."""
+    scratch = cuda.shared.array(ROW_THREADS, float32)
+    for row in range(cuda.blockIdx.x, logits.shape[0], cuda.gridDim.x):  # block-uniform: the reductions sync
+        best = float32(-math.inf)
+        for v in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
+            best = max(best, logits[row, v])
+        best = block_max(best, scratch)
+        total = float32(0.0)
+        for v in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
+            total += math.exp(logits[row, v] - best)
+        log_total = math.log(block_sum(total, scratch))  # block_sum syncs: the row read before out (= logits) written
+        for v in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
+            out[row, v] = (logits[row, v] - best) - log_total
 
 
 @device_function()
@@ -280,10 +300,13 @@ def sample_rows(logits, temperature: float, seed: int, positions):
 
 def topk_rows(logits, k: int, split_chunk: int | None = None):
     """(ids int32 [s, k], values float32 [s, k], margins float32 [s]) device arrays, ties -> lower id.
-    V > SPLIT_MIN_VOCAB (or ``split_chunk`` given): over vocabulary chunks, then merged per row."""
+    V > SPLIT_MIN_VOCAB (or ``split_chunk`` given): over vocabulary chunks, then merged per row; k > MAX_TOPK:
+    by radix select (numba_kernels.topk_select)."""
     _check_logits(logits)
-    if not 1 <= k <= min(MAX_TOPK, logits.shape[1]):
-        raise ValueError(f"k must be in 1..min({MAX_TOPK}, V={logits.shape[1]}), got {k}")
+    if not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"k must be in 1..V={logits.shape[1]}, got {k}")
+    if k > MAX_TOPK:
+        return topk_select_rows(logits, k)
     rows = logits.shape[0]
     top_ids = cuda.device_array((rows, k), np.int32)
     top_values = cuda.device_array((rows, k), np.float32)
@@ -293,3 +316,15 @@ def topk_rows(logits, k: int, split_chunk: int | None = None):
         return top_ids, top_values, margins
     topk_rows_kernel[row_blocks(rows), ROW_THREADS](to_device(logits), top_ids, top_values, margins)
     return top_ids, top_values, margins
+
+
+def log_softmax_rows(logits, out=None):
+    """Device float32 [s, V]: the row-wise log-softmax of float32 logits [s, V] (numpy or device), in float32;
+    ``out`` may be the logits themselves (in place)."""
+    _check_logits(logits)
+    logits = to_device(logits)
+    out = cuda.device_array(logits.shape, np.float32) if out is None else to_device(out)
+    if out.dtype != np.float32 or tuple(out.shape) != tuple(logits.shape):
+        raise ValueError(f"out must be float32 {list(logits.shape)}, got {out.dtype} {list(out.shape)}")
+    log_softmax_rows_kernel[row_blocks(logits.shape[0]), ROW_THREADS](logits, out)
+    return out
