@@ -322,13 +322,13 @@ def test_near_tie_verdict():
 # ----------------------------------------------------------------------------- recordings at smaller budgets
 @pytest.fixture(scope="module")
 def recordings(tmp_path_factory):
-    """Reference-backend traces of `tiny` (noisy drafter, the same top-K) at budgets 4, 8, 16 for two seeds."""
+    """Reference-backend traces of `tiny` (noisy drafter, the same top-K) at budgets 2, 4, 8, 16 for two seeds."""
     from kdspec.kdtree_tui.cli import main
 
     directory = tmp_path_factory.mktemp("cf")
     paths = {}
     for seed in (1, 2):
-        for budget in (4, 8, 16):
+        for budget in (2, 4, 8, 16):
             path = directory / f"s{seed}b{budget}.h5"
             assert main(["record", "--model", "tiny", "--backend", "reference", "--mode", "ddtree", "--drafter",
                          "noisy:0.6", "--budget", str(budget), "--topk", "4", "--seed", str(seed),
@@ -344,7 +344,7 @@ def test_counterfactual_tau_equals_the_recorded_tau_at_smaller_budgets(recording
             assert analyze(big).curve.steps_not_best_first == 0
             start = {int(p): i for i, p in enumerate(big.column("prefix_len"))}
             counterfactual = budget_taus(big.column("tau"), big.field("accepted_nodes"), list(range(17)))
-            for small_budget in (4, 8):
+            for small_budget in (2, 4, 8):   # three smaller budgets, each recorded
                 with open_trace(recordings[seed, small_budget]) as small:
                     for j, (p, tau) in enumerate(zip(small.column("prefix_len"), small.column("tau"))):
                         if int(p) not in start:
