@@ -47,7 +47,7 @@ class ThresholdsScreen(ModalScreen[Thresholds | None]):
         defaults = thresholds_for(self.metadata)
         with Vertical():
             yield Static(f"Anomaly thresholds. Now: {self.current.describe()}\n"
-                         f"This trace's {defaults.precision} defaults: {defaults.describe()}\n"
+                         f"This trace's {defaults.precision} defaults: {defaults.values_text()}\n"
                          "enter: apply   ctrl+r: the defaults   escape: cancel", id="thresholds-now")
             for name, label in FIELDS:
                 yield Static(label)

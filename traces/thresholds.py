@@ -56,9 +56,12 @@ class Thresholds:
         changes = {k: v for k, v in (("dlogit", dlogit), ("cache", cache), ("min_tau", min_tau)) if v is not None}
         return replace(self, **changes) if changes else self
 
+    def values_text(self) -> str:
+        return f"|dlogit| > {self.dlogit:g}, cache > {self.cache:g}, tau < {self.min_tau}"
+
     def describe(self) -> str:
         origin = f"{self.precision} defaults" if self.precision in PRECISION_THRESHOLDS else "custom"
-        return f"|dlogit| > {self.dlogit:g}, cache > {self.cache:g}, tau < {self.min_tau} ({origin})"
+        return f"{self.values_text()} ({origin})"
 
 
 def trace_precision(metadata: Mapping) -> str:
