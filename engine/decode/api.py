@@ -216,7 +216,9 @@ class Engine:
                           resolved.num_depths, resolved.topk, self.cfg.vocab_size, config.seed)
 
     def block_drafter(self, directory: Optional[str], top_k: int) -> BlockDrafter:
-        """The trained block drafter in ``directory`` (None: ``drafter/`` beside the model) for this target."""
+        """The trained block drafter in ``directory`` (None: ``drafter/`` beside the model) for this target: on
+        the sim and cuda backends its forward runs on the device (engine/device/drafter.py; DrafterError when
+        its attention widths exceed the kernels' there), on the reference backend the float64 golden's."""
         if directory is None:
             home = model_directory(self.source)
             if home is None:
@@ -226,8 +228,12 @@ class Engine:
         cfg, weights, digest = load_drafter(directory)
         cfg.check_target(self.cfg)
         lm_head = self.weights["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
+        device = None
+        if self.backend in ("sim", "cuda"):
+            from kdspec.engine.device.drafter import DeviceDrafter
+            device = DeviceDrafter(cfg, weights, self.model, top_k)
         return BlockDrafter(cfg, weights, self.weights["model.embed_tokens.weight"], lm_head, top_k, self.model,
-                            name=f"dflash:{directory}", digest=digest)
+                            name=f"dflash:{directory}", digest=digest, device=device)
 
     def generate(self, prompt, config: DecodeConfig, *, drafter=None, golden: Union[None, bool, GoldenRun] = None,
                  on_step: Optional[Callable[[dict], None]] = None) -> GenerateResult:

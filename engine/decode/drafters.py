@@ -153,25 +153,33 @@ def top_k_rows(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class BlockDrafter:
-    """The trained block drafter, by its float64 golden (engine/golden/drafter.py), on any backend: the
-    target's kept hidden states of rows 0..P-1 come from ``model.hidden_rows(cache, P)``.
+    """The trained block drafter. Without ``device``: by its float64 golden (engine/golden/drafter.py), on any
+    backend, the target's kept hidden states of rows 0..P-1 copied from ``model.hidden_rows(cache, P)``. With
+    ``device`` (engine/device/drafter.py DeviceDrafter, the sim and cuda backends): its fp32 forward on the
+    device model's kernels, the hidden states read where the cache keeps them; only the draft comes back.
 
     Args:
         cfg, weights: the drafter (engine/model/drafter.py load_drafter). embed, lm_head: the target's [V, d].
         top_k: K candidates per depth. model: the target (for hidden_rows). name, digest: for the trace.
+        device: the DeviceDrafter that drafts instead of the golden (same cfg and top_k), or None.
     """
 
     def __init__(self, cfg: DrafterConfig, weights: dict, embed: np.ndarray, lm_head: np.ndarray, top_k: int,
-                 model, name: str = "dflash", digest: str = ""):
+                 model, name: str = "dflash", digest: str = "", device=None):
         if not 1 <= top_k <= embed.shape[0]:
             raise ValueError(f"top_k must be in 1..vocab ({embed.shape[0]}), got {top_k}")
+        if device is not None and (device.cfg != cfg or device.top_k != top_k):
+            raise ValueError("the device drafter must have this drafter's config and top_k")
         self.cfg, self.weights, self.embed, self.lm_head, self.model = cfg, weights, embed, lm_head, model
         self.num_depths, self.top_k, self.name, self.digest = cfg.num_depths, int(top_k), name, digest
         self.hidden_layers = cfg.target_layers
+        self.device = device
 
     def draft(self, committed_tokens, bonus_token: int, position: int, cache=None) -> tuple[np.ndarray, np.ndarray]:
         if cache is None:
             raise ValueError("a block drafter reads the target's hidden states: draft(..., cache=the run's cache)")
+        if self.device is not None:
+            return self.device.draft(committed_tokens, bonus_token, position, cache)
         hidden = self.model.hidden_rows(cache, position)
         logits = draft_logits(self.cfg, self.weights, self.embed, self.lm_head, hidden, int(bonus_token))
         return top_k_rows(log_softmax(logits), self.top_k)
