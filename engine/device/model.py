@@ -267,6 +267,11 @@ class DeviceModel:
 
     def compact(self, cache: DeviceCache, accepted) -> None:
         accepted = np.asarray(accepted, dtype=np.int32)
+        if np.array_equal(accepted, np.arange(len(accepted))):
+            # The accepted path is the first tau in-flight rows (the root and a chain of first children, as the
+            # best-first build numbers them): every row is in place already, no kernel to launch.
+            cache.length += len(accepted)
+            return
         for rows in (cache.kv, cache.hidden) if cache.hidden_layers else (cache.kv,):
             kv_compact.compact_rows(rows, np.array([cache.length], np.int32), accepted[None, :],
                                     np.array([len(accepted)], np.int32))

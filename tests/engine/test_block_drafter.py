@@ -97,3 +97,30 @@ def test_device_hidden_rows_follow_verify_and_compaction_like_the_golden():
         kept[name] = np.asarray(model.hidden_rows(cache, cache.length), dtype=np.float64)
     assert kept["sim"].shape == (3, 9, 32)
     np.testing.assert_allclose(kept["sim"], kept["reference"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("accepted, launches", [([0, 1, 2], 0), ([0], 0), ([0, 2, 4], 2)])
+def test_compaction_of_a_path_already_in_place_launches_nothing(monkeypatch, accepted, launches):
+    """accepted = 0, 1, .., tau-1 (the root and a chain of first-numbered children): the rows are where
+    compaction would put them, so no kernel runs; the cache then equals the golden's, as after a moving one."""
+    from kdspec.engine.device import model as device_model
+    from kdspec.engine.golden import ddtree
+    calls = []
+    real = device_model.kv_compact.compact_rows
+    monkeypatch.setattr(device_model.kv_compact, "compact_rows", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    parents = np.array([-1, 0, 1, 0, 2, 3])   # nodes 0 -> 1 -> 2 -> 4 and 0 -> 3 -> 5
+    depths = np.array([0, 1, 2, 1, 3, 2])
+    tokens = np.array([7, 8, 9, 10, 11, 12])
+    kept = {}
+    for name in ("sim", "reference"):
+        model = api.load("tiny", backend=name).model
+        cache = model.new_cache(32, hidden_layers=(0, 2))
+        model.forward(cache, np.array([3, 1, 4, 1, 5]), np.arange(5))
+        model.commit(cache, 5)
+        model.forward(cache, tokens, 5 + depths, ddtree.visibility_from_parents(parents))
+        model.compact(cache, np.array(accepted))
+        assert cache.length == 5 + len(accepted)
+        kept[name] = np.asarray(model.hidden_rows(cache, cache.length), dtype=np.float64)
+    assert len(calls) == launches   # the kv rows and the kept hidden states: one launch each when rows move
+    np.testing.assert_allclose(kept["sim"], kept["reference"], atol=1e-4, rtol=1e-4)
