@@ -170,11 +170,19 @@ class DrafterConfig:
     def load(cls, directory: Path) -> "DrafterConfig":
         path = Path(directory) / CONFIG_FILE
         try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except FileNotFoundError:
+            data = json.loads(path.read_bytes().decode("utf-8"))
+            if not isinstance(data, dict):
+                raise TypeError(f"a JSON {type(data).__name__}, not an object")
+            return cls.from_dict(data)
+        except DrafterError:
+            raise
+        except (FileNotFoundError, NotADirectoryError):
             raise DrafterError(f"{path}: no drafter config") from None
-        except (json.JSONDecodeError, TypeError) as e:
-            raise DrafterError(f"{path}: not a drafter config ({type(e).__name__}: {e})") from None
+        except OSError as e:
+            raise DrafterError(f"{path}: cannot read the drafter config ({e.strerror or e})") from None
+        except (ValueError, TypeError, AttributeError, RecursionError) as e:  # JSON, UTF-8, a field's type
+            first = (str(e).splitlines() or [""])[0][:200]
+            raise DrafterError(f"{path}: not a drafter config ({type(e).__name__}: {first})") from None
 
 
 def load_drafter(directory: str | Path) -> tuple[DrafterConfig, dict[str, np.ndarray], str]:
