@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from kdspec.kdtree_tui.session import TraceSession
+from kdspec.traces.schema import TraceError
 from kdspec.traces.thresholds import trace_precision
 
 # What a compare header lists for each run; a field whose values differ is marked.
@@ -114,13 +115,33 @@ def compare_runs(a: TraceSession, b: TraceSession, alignment: Alignment) -> Comp
     same_prompt = prompt_a is not None and prompt_b is not None and np.array_equal(prompt_a, prompt_b)
     if not same_prompt:
         reasons.append("different prompts")
+    elif alignment.first_difference is not None:
+        reasons.append(f"first differing token at position {alignment.first_difference}")
     else:
-        (_, tokens_a), (_, tokens_b) = committed_stream(a), committed_stream(b)
-        if alignment.first_difference is not None:
-            reasons.append(f"first differing token at position {alignment.first_difference}")
-        elif len(tokens_a) != len(tokens_b):
-            reasons.append(f"A committed {len(tokens_a)} tokens, B {len(tokens_b)}")
+        # Finished traces are compared by their outputs (a DDTree run's last step may commit past max_new_tokens,
+        # an AR run's first token is the prefill's); one still recording, by what it committed so far.
+        out_a, out_b = _output(a), _output(b)
+        if out_a is not None and out_b is not None:
+            if len(out_a) != len(out_b):
+                reasons.append(f"A's output has {len(out_a)} tokens, B's {len(out_b)}")
+            elif not np.array_equal(out_a, out_b):
+                reasons.append("the recorded outputs differ")
+        else:
+            (_, tokens_a), (_, tokens_b) = committed_stream(a), committed_stream(b)
+            if len(tokens_a) != len(tokens_b):
+                reasons.append(f"A committed {len(tokens_a)} tokens so far, B {len(tokens_b)}")
     return Comparison(not reasons, differences, tuple(reasons))
+
+
+def _output(session: TraceSession):
+    """The output a finished trace recorded (int64), or None while it is recording (or has none)."""
+    if session.metadata.get("status") != "complete":
+        return None
+    try:
+        output = np.asarray(session.reader.output_tokens, np.int64)
+    except (TraceError, KeyError, ValueError, OSError):   # damaged: compare what the steps committed instead
+        return None
+    return output if len(output) else None
 
 
 def _model_weights_config(model: Any) -> Any:

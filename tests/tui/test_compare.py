@@ -21,7 +21,8 @@ def recordings(tmp_path_factory):
     runs = {
         "oracle7": RECORD + ["--budget", "7"],
         "noisy16": RECORD + ["--budget", "16", "--drafter", "noisy:0.6"],
-        "seed3": RECORD + ["--budget", "7", "--seed", "3"],   # a preset's seed draws its weights: another model
+        "seed3": RECORD + ["--budget", "7", "--seed", "3"],
+        "ar": RECORD + ["--mode", "ar"],   # a preset's seed draws its weights: another model
         "short": RECORD[:-1] + ["16", "--budget", "7"],
         "other_prompt": RECORD + ["--budget", "7", "--prompt", "A forest"],
         "small": RECORD + ["--budget", "7", "--model", "small"],
@@ -50,10 +51,16 @@ def test_runs_of_one_prompt_that_commit_the_golden_are_identical_whatever_the_dr
     assert set(c.differences) == {"drafter", "budget"}
 
 
+def test_an_ar_run_and_a_ddtree_run_of_one_prompt_are_identical(recordings):
+    # DDTree's last step commits past max_new_tokens and AR's first token is the prefill's: the outputs agree
+    c = comparison(recordings["ar"], recordings["oracle7"])
+    assert c.identical and set(c.differences) == {"drafter", "mode", "budget", "block"}
+
+
 @pytest.mark.parametrize("other, reason", [
     ("other_prompt", "different prompts"),
     ("small", "different models (tiny / small)"),
-    ("short", "A committed 24 tokens, B 16"),
+    ("short", "A's output has 24 tokens, B's 16"),
 ])
 def test_unrelated_or_unequal_runs_are_not_identical(recordings, other, reason):
     c = comparison(recordings["oracle7"], recordings[other])
