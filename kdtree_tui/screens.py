@@ -134,7 +134,8 @@ GLOSSARY = (
         (("n",), "steps that reached the depth"),
         (("calibration",), ("reliability diagram: per bin of stated p (x), the measured rate at which the "
                             "target chose the token (bar); · marks the stated p (calibrated: bar ends there)")),
-        (("ECE",), "expected calibration error: the count-weighted mean |measured - stated| over bins"),
+        (("ECE",), "expected calibration error: the count-weighted mean |measured - stated| over bins; top-1 ECE: "
+                   "the same over the drafter's rank-0 forecasts alone (with a large K the low ranks pull ECE to 0)"),
         (("rN said→got",), "per depth, rank N's mean stated p -> measured rate"),
         (("budget curve",), ("the exact tau every budget B' <= B would have had on the same steps, with "
                              "tokens per second from a cost model of verify time")),

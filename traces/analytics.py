@@ -9,7 +9,9 @@ d nodes): the target's token at depth d is committed_tokens[d-1], the target's c
 - calibration: every (step, d, r) with tau >= d is one forecast: the drafter stated exp(lp[d-1, r]) that the
   target picks draft_ids[d-1, r]; the outcome is whether it did. Per (d, r): mean stated vs measured rate;
   binned by stated probability (BINS equal bins) for the reliability diagram; ECE = sum over bins of
-  count / total x |measured - stated|.
+  count / total x |measured - stated|. With K in the hundreds most forecasts are low-probability ranks the target
+  rightly never picks, which pull the ECE toward 0; the top-1 ECE takes the rank-0 forecasts alone (the
+  drafter's confidence in its best guess).
 - budget curve, chain, cost model: traces/budget.py.
 Everything is summed over blocks of steps, so a 100k-step trace never sits in memory at once.
 """
@@ -134,7 +136,8 @@ def why_tau(record, budget: int, search_limit: int = budget_mod.SEARCH_LIMIT) ->
 @dataclass(frozen=True)
 class Calibration:
     """count / stated / measured [L, K] per (depth, rank); bin_edges [BINS+1]; bin_count / bin_stated /
-    bin_measured [BINS] (NaN in empty bins); ece over the bins."""
+    bin_measured [BINS] (NaN in empty bins); ece over the bins; top1_bin_count / top1_bin_stated /
+    top1_bin_measured [BINS] and ece_top1: the same over the rank-0 forecasts alone."""
 
     count: np.ndarray
     stated: np.ndarray
@@ -144,6 +147,10 @@ class Calibration:
     bin_stated: np.ndarray
     bin_measured: np.ndarray
     ece: float
+    top1_bin_count: np.ndarray
+    top1_bin_stated: np.ndarray
+    top1_bin_measured: np.ndarray
+    ece_top1: float
 
 
 @dataclass(frozen=True)
@@ -171,6 +178,7 @@ class _Sums:
         self.ranks = np.zeros((depths, topk + 1), np.int64)
         self.cell_count, self.cell_stated, self.cell_hits = (np.zeros((depths, topk)) for _ in range(3))
         self.bin_count, self.bin_stated, self.bin_hits = (np.zeros(BINS) for _ in range(3))
+        self.top1_count, self.top1_stated, self.top1_hits = (np.zeros(BINS) for _ in range(3))
         self.tau_at = np.zeros(len(budgets), np.int64)
         self.nodes_at = np.zeros(len(budgets), np.int64)
         self.chain_known = self.chain_sum_known = self.chain_sum_all = 0
@@ -204,6 +212,11 @@ class _Sums:
         self.bin_count += np.bincount(b, minlength=BINS)
         self.bin_stated += np.bincount(b, stated[forecast], minlength=BINS)
         self.bin_hits += np.bincount(b, hit[forecast], minlength=BINS)
+        top1 = forecast[:, :, 0]
+        b = np.clip((stated[:, :, 0][top1] * BINS).astype(np.int64), 0, BINS - 1)
+        self.top1_count += np.bincount(b, minlength=BINS)
+        self.top1_stated += np.bincount(b, stated[:, :, 0][top1], minlength=BINS)
+        self.top1_hits += np.bincount(b, hit[:, :, 0][top1], minlength=BINS)
         row = np.arange(len(tau))
         stop_rank = rank[row, np.minimum(tau, depths) - 1]
         full = tau > depths
@@ -244,17 +257,26 @@ def analyze(reader, bench_rows: Optional[list] = None, check_steps: int = CHECK_
     return _finish(sums, steps, depths, topk, budget, budgets, cost)
 
 
+def _binned(count: np.ndarray, stated_sum: np.ndarray, hits: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Per bin the mean stated probability and the measured rate (NaN in empty bins), and the ECE over the bins."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        stated, measured = stated_sum / count, hits / count
+    total = count.sum()
+    ece = float(np.nansum(count / total * np.abs(measured - stated))) if total else float("nan")
+    return stated, measured, ece
+
+
 def _finish(s: _Sums, steps, depths, topk, budget, budgets, cost: Optional[CostModel]):
     tau = np.concatenate(s.taus) if s.taus else np.zeros(0, np.int64)
     with np.errstate(invalid="ignore", divide="ignore"):
         reached = np.array([np.mean(tau >= d + 1) if steps else np.nan for d in range(1, depths + 1)])
         conditional = reached / np.concatenate([[1.0], reached[:-1]]) if depths else reached
         stated, measured = s.cell_stated / s.cell_count, s.cell_hits / s.cell_count
-        bin_stated, bin_measured = s.bin_stated / s.bin_count, s.bin_hits / s.bin_count
-    total = s.bin_count.sum()
-    ece = float(np.nansum(s.bin_count / total * np.abs(bin_measured - bin_stated))) if total else float("nan")
+    bin_stated, bin_measured, ece = _binned(s.bin_count, s.bin_stated, s.bin_hits)
+    top1_stated, top1_measured, ece_top1 = _binned(s.top1_count, s.top1_stated, s.top1_hits)
     calibration = Calibration(s.cell_count.astype(np.int64), stated, measured, np.linspace(0, 1, BINS + 1),
-                              s.bin_count.astype(np.int64), bin_stated, bin_measured, ece)
+                              s.bin_count.astype(np.int64), bin_stated, bin_measured, ece,
+                              s.top1_count.astype(np.int64), top1_stated, top1_measured, ece_top1)
     mean_tau = (s.tau_at / steps).tolist() if steps else [float("nan")] * len(budgets)
     mean_nodes = (s.nodes_at / steps).tolist() if steps else [float("nan")] * len(budgets)
     step_s = tps = best = chain_tps = None

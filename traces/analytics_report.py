@@ -44,7 +44,9 @@ def analytics_json(a: TraceAnalytics) -> dict[str, Any]:
         "calibration": {"count": c.count.tolist(), "stated": c.stated.tolist(), "measured": c.measured.tolist(),
                         "bins": {"edges": c.bin_edges.tolist(), "count": c.bin_count.tolist(),
                                  "stated": c.bin_stated.tolist(), "measured": c.bin_measured.tolist()},
-                        "ece": c.ece},
+                        "ece": c.ece,
+                        "top1": {"count": c.top1_bin_count.tolist(), "stated": c.top1_bin_stated.tolist(),
+                                 "measured": c.top1_bin_measured.tolist(), "ece": c.ece_top1}},
         "budget_curve": {"budgets": curve.budgets, "mean_tau": curve.mean_tau, "mean_nodes": curve.mean_nodes,
                          "step_seconds": curve.step_seconds, "tokens_per_second": curve.tokens_per_second,
                          "best_budget": curve.best_budget, "cost_model": cost,
@@ -81,7 +83,8 @@ def analytics_text(a: TraceAnalytics) -> str:
                      + " absent)")
         lines += [f"  d {d:>2}    " + " ".join(f"{n:>4}" for n in row) for d, row in enumerate(a.rank_histogram, 1)]
         c = a.calibration
-        lines.append(f"calibration ECE {c.ece:.3f} over {int(c.bin_count.sum())} forecasts (stated -> measured, n)")
+        lines.append(f"calibration ECE {c.ece:.3f} over {int(c.bin_count.sum())} forecasts, top-1 ECE {c.ece_top1:.3f} "
+                     f"over {int(c.top1_bin_count.sum())} (stated -> measured, n)")
         lines += [f"  p {lo:.1f}-{hi:.1f}  {s:.3f} -> {m:.3f}  {n}" for lo, hi, s, m, n in
                   zip(c.bin_edges[:-1], c.bin_edges[1:], c.bin_stated, c.bin_measured, c.bin_count) if n]
     curve = a.curve

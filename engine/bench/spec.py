@@ -68,6 +68,7 @@ class _Totals:
         self.taus: list[int] = []
         self.reached = None          # sum over prompts of steps x reached[d]
         self.bins = None             # [3, BINS]: forecasts, sum of stated, sum of hits per bin
+        self.top1 = None             # the same over the rank-0 forecasts
         self.cells = None            # [3, L, K]: forecasts, sum of stated, sum of hits per (depth, rank)
 
     def add(self, result, ar_tokens, analytics) -> None:
@@ -85,6 +86,9 @@ class _Totals:
         count = np.nan_to_num(c.bin_count)
         bins = np.stack([count, count * np.nan_to_num(c.bin_stated), count * np.nan_to_num(c.bin_measured)])
         self.bins = bins if self.bins is None else self.bins + bins
+        count = np.nan_to_num(c.top1_bin_count)
+        top1 = np.stack([count, count * np.nan_to_num(c.top1_bin_stated), count * np.nan_to_num(c.top1_bin_measured)])
+        self.top1 = top1 if self.top1 is None else self.top1 + top1
         cell_count = np.nan_to_num(c.count)
         cells = np.stack([cell_count, cell_count * np.nan_to_num(c.stated), cell_count * np.nan_to_num(c.measured)])
         self.cells = cells if self.cells is None else self.cells + cells
@@ -116,10 +120,12 @@ class _Totals:
             parts.append(f"d{d + 1} " + " ".join(cells))
         return "; ".join(parts)
 
-    def ece(self) -> float:
-        if self.bins is None or self.bins[0].sum() == 0:
+    def ece(self, top1: bool = False) -> float:
+        """Over the combined bins: sum |hits - stated| / forecasts (= traces.analytics' count-weighted ECE)."""
+        bins = self.top1 if top1 else self.bins
+        if bins is None or bins[0].sum() == 0:
             return float("nan")
-        count, stated, hits = self.bins
+        count, stated, hits = bins
         used = count > 0
         return float(np.sum(np.abs(hits[used] - stated[used])) / count.sum())
 
@@ -178,7 +184,8 @@ def _rows(temperature: float, totals: dict, prompts: int, new_tokens: int, backe
         rows.append(row(SUITE, f"T={temperature:g} {label} mean tau", total.mean_tau, "tok/step",
                         note=f"{len(total.taus)} steps; acceptance per depth {total.acceptance()}"))
         rows.append(row(SUITE, f"T={temperature:g} {label} drafter ECE", total.ece(), "",
-                        note=f"stated/measured per (depth, rank): {total.calibration()}"))
+                        note=f"top-1 ECE {total.ece(top1=True):.3f}; stated/measured per (depth, rank): "
+                             f"{total.calibration()}"))
         rows.append(row(SUITE, f"T={temperature:g} {label} tokens/s", total.tokens_per_second, "tok/s",
                         peer="AR", peer_value=ar.tokens_per_second))
         rows.append(row(SUITE, f"T={temperature:g} {label} prompts equal to AR", total.equal, f"/{prompts}",

@@ -101,7 +101,9 @@ def render_rank_histogram(a: TraceAnalytics, colours: dict) -> Text:
 
 def render_reliability(a: TraceAnalytics, colours: dict, width: int) -> Text:
     c = a.calibration
-    text = Text(f"calibration: ECE {c.ece:.3f} over {int(c.bin_count.sum())} forecasts\n", style=colours["label"])
+    text = Text()
+    _wrapped(text, f"calibration: ECE {c.ece:.3f} over {int(c.bin_count.sum())} forecasts; top-1 ECE "
+                   f"{c.ece_top1:.3f} over {int(c.top1_bin_count.sum())}", width, colours["label"])
     if not c.bin_count.sum():
         return text
     xs = [(0, "0"), (5, ".5"), (len(c.bin_count) - 1, "1")]

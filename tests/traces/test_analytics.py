@@ -208,6 +208,7 @@ def test_rank_histogram_calibration_and_ece_by_plain_loops(run):
     hist = np.zeros((depths, topk + 1), int)
     cells = {}
     bins = [[0, 0.0, 0] for _ in range(BINS)]
+    top1 = [[0, 0.0, 0] for _ in range(BINS)]
     for record, i in run["steps"]:
         tau = len(record["accepted_nodes"])
         for d in range(1, min(tau, depths) + 1):
@@ -220,6 +221,8 @@ def test_rank_histogram_calibration_and_ece_by_plain_loops(run):
                 cells[d, r] = (n + 1, s + p, h + hit)
                 b = min(int(p * BINS), BINS - 1)
                 bins[b] = [bins[b][0] + 1, bins[b][1] + p, bins[b][2] + hit]
+                if r == 0:
+                    top1[b] = [top1[b][0] + 1, top1[b][1] + p, top1[b][2] + hit]
     np.testing.assert_array_equal(a.rank_histogram, hist)
     for (d, r), (n, s, h) in cells.items():
         assert a.calibration.count[d - 1, r] == n
@@ -228,6 +231,9 @@ def test_rank_histogram_calibration_and_ece_by_plain_loops(run):
     total = sum(b[0] for b in bins)
     ece = sum(n / total * abs(h / n - s / n) for n, s, h in bins if n)
     assert a.calibration.ece == pytest.approx(ece)
+    total1 = sum(b[0] for b in top1)
+    assert total1 > 0 and a.calibration.top1_bin_count.tolist() == [b[0] for b in top1]
+    assert a.calibration.ece_top1 == pytest.approx(sum(n / total1 * abs(h / n - s / n) for n, s, h in top1 if n))
     assert a.calibration.bin_count.tolist() == [b[0] for b in bins]
     taus = np.array([len(rec["accepted_nodes"]) for rec, _ in run["steps"]])
     np.testing.assert_allclose(a.reached, [(taus >= d + 1).mean() for d in range(1, depths + 1)])
