@@ -257,8 +257,10 @@ def analyze(reader, bench_rows: Optional[list] = None, check_steps: int = CHECK_
     return _finish(sums, steps, depths, topk, budget, budgets, cost)
 
 
-def _binned(count: np.ndarray, stated_sum: np.ndarray, hits: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-    """Per bin the mean stated probability and the measured rate (NaN in empty bins), and the ECE over the bins."""
+def binned_calibration(count: np.ndarray, stated_sum: np.ndarray,
+                       hits: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Per bin (forecasts ``count``, summed stated probability, hits) the mean stated probability and the measured
+    rate (NaN in empty bins), and the ECE over the bins: the one definition (analyze, the spec bench)."""
     with np.errstate(invalid="ignore", divide="ignore"):
         stated, measured = stated_sum / count, hits / count
     total = count.sum()
@@ -272,8 +274,8 @@ def _finish(s: _Sums, steps, depths, topk, budget, budgets, cost: Optional[CostM
         reached = np.array([np.mean(tau >= d + 1) if steps else np.nan for d in range(1, depths + 1)])
         conditional = reached / np.concatenate([[1.0], reached[:-1]]) if depths else reached
         stated, measured = s.cell_stated / s.cell_count, s.cell_hits / s.cell_count
-    bin_stated, bin_measured, ece = _binned(s.bin_count, s.bin_stated, s.bin_hits)
-    top1_stated, top1_measured, ece_top1 = _binned(s.top1_count, s.top1_stated, s.top1_hits)
+    bin_stated, bin_measured, ece = binned_calibration(s.bin_count, s.bin_stated, s.bin_hits)
+    top1_stated, top1_measured, ece_top1 = binned_calibration(s.top1_count, s.top1_stated, s.top1_hits)
     calibration = Calibration(s.cell_count.astype(np.int64), stated, measured, np.linspace(0, 1, BINS + 1),
                               s.bin_count.astype(np.int64), bin_stated, bin_measured, ece,
                               s.top1_count.astype(np.int64), top1_stated, top1_measured, ece_top1)

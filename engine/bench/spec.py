@@ -30,7 +30,7 @@ from kdspec.engine.decode import api
 from kdspec.engine.decode.config import DecodeConfig
 from kdspec.engine.model.checkpoint import model_directory
 from kdspec.traces import RunMetadata, TraceWriter, open_trace
-from kdspec.traces.analytics import analyze
+from kdspec.traces.analytics import analyze, binned_calibration
 
 SUITE = "spec"
 MODEL = "pycoder-mini"
@@ -121,13 +121,9 @@ class _Totals:
         return "; ".join(parts)
 
     def ece(self, top1: bool = False) -> float:
-        """Over the combined bins: sum |hits - stated| / forecasts (= traces.analytics' count-weighted ECE)."""
+        """The ECE of the combined bins (of the rank-0 forecasts with ``top1``)."""
         bins = self.top1 if top1 else self.bins
-        if bins is None or bins[0].sum() == 0:
-            return float("nan")
-        count, stated, hits = bins
-        used = count > 0
-        return float(np.sum(np.abs(hits[used] - stated[used])) / count.sum())
+        return float("nan") if bins is None else binned_calibration(*bins)[2]
 
 
 def _analysed(engine, prompt, config, result_records, path) -> object:
