@@ -372,7 +372,18 @@ def _cmd_record(args: argparse.Namespace) -> int:
 def _open_trace(path: str):
     from kdspec.traces import TraceError, open_trace
     try:
+        _probe(path)
         return open_trace(path)
+    except TraceError as e:
+        raise UsageError(str(e)) from None
+
+
+def _probe(path: str) -> None:
+    """A file whose headers hang or crash HDF5 is one line before this process reads it (traces.probe)."""
+    from kdspec.traces import TraceError
+    from kdspec.traces.probe import probe
+    try:
+        probe(path)
     except TraceError as e:
         raise UsageError(str(e)) from None
 
@@ -454,6 +465,8 @@ def _cmd_tui(args: argparse.Namespace) -> int:
     for path in (args.trace, args.compare):
         if path is not None and not os.path.exists(path):
             raise UsageError(f"{path}: no such file")
+        if path is not None:
+            _probe(path)
     overrides = _threshold_overrides(args)
     return run_app(args.trace, compare=args.compare, follow=args.follow, threshold_overrides=overrides)
 

@@ -89,7 +89,7 @@ class TraceReader:
 
     def _attach(self) -> None:
         """(Re)open the file and read its metadata, dimensions and step count."""
-        self._file = _open_file(self.path)
+        self._file = open_hdf5(self.path)
         try:
             metadata = self._read_metadata()
             self.metadata.clear()   # in place: callers may hold on to the dict across refresh()
@@ -438,7 +438,9 @@ def open_trace(path: str | os.PathLike) -> TraceReader:
     return TraceReader(path)
 
 
-def _open_file(path: str) -> h5py.File:
+def open_hdf5(path: str) -> h5py.File:
+    """The trace file opened read-only as the reader opens it (plainly, else in SWMR mode with bounded metadata
+    retries); TraceError (one line) when it cannot be."""
     if not os.path.exists(path):
         raise TraceError(f"{path}: no such trace file")
     if os.path.isdir(path):

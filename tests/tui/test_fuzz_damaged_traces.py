@@ -28,6 +28,7 @@ from killed_traces import write_killed_trace
 from kdspec.kdtree_tui import cli
 from kdspec.kdtree_tui.session import TraceSession
 from kdspec.traces import TraceError
+from kdspec.traces.probe import probe
 
 ROOT = Path(__file__).resolve().parents[2]
 TIME_LIMIT = 10.0
@@ -108,9 +109,11 @@ def run_command(argv: list[str]) -> tuple[int, str, float]:
 
 
 def load_in_viewer(path: Path) -> float:
-    """TraceSession, its columns and every step; only a one-line TraceError may come out. Returns seconds."""
+    """What `kdtree tui` does: the probe (traces.probe), then TraceSession, its columns and every step; only a
+    one-line TraceError may come out. Returns seconds."""
     start = time.monotonic()
     try:
+        probe(path)
         session = TraceSession(path)
     except TraceError as e:
         assert "\n" not in str(e), str(e)
