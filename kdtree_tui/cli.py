@@ -631,21 +631,35 @@ def _add_demo_and_bench(sub) -> None:
 
 
 def _add_train(parser: argparse.ArgumentParser) -> None:
-    from kdspec.engine.train import target  # light: torch is imported only when a run starts
+    from kdspec.engine.train import drafter_train, target  # light: torch is imported only when a run starts
 
     what = parser.add_subparsers(dest="what", metavar="WHAT", required=True)
     p = what.add_parser("target", help="train the target model on the Python standard library (pycoder-mini's "
                                        "recipe) and write an HF model directory")
     target.add_arguments(p)
     p.set_defaults(func=_cmd_train_target)
+    p = what.add_parser("drafter", help="train the DFlash-style block drafter of a target model directory (default "
+                                        "pycoder-mini) on the target's own continuations")
+    drafter_train.add_arguments(p)
+    p.set_defaults(func=_cmd_train_drafter)
 
 
 def _cmd_train_target(args: argparse.Namespace) -> int:
     from kdspec.engine.train import target
+    return _run_training(target.run, args)
+
+
+def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    from kdspec.engine.train import drafter_train
+    return _run_training(drafter_train.run, args)
+
+
+def _run_training(run, args: argparse.Namespace) -> int:
+    from kdspec.engine.model.drafter import DrafterError
     from kdspec.engine.train.errors import TrainError
     try:
-        return target.run(args)
-    except TrainError as e:
+        return run(args)
+    except (TrainError, DrafterError) as e:
         raise UsageError(" ".join(str(e).split())) from None
 
 

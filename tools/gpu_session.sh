@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# The checks and measurements that need the lent H200, grouped so that each group fits one device call
-# (10 minutes) and prints a short table last; full logs and files go to $OUT. Run from the repository root on
-# the GPU machine, after ../shared/gpu/wheels.sh has put the numpy 2.4 wheel in .whl/ (carry it):
+# The checks and measurements that need the lent H200, in groups that fit one device call (10 minutes) each or
+# run side by side in one; each prints a short table last; full logs and files go to $OUT. Run from the
+# repository root on the GPU machine, after ../shared/gpu/wheels.sh has put the numpy 2.4 wheel in .whl/ (carry
+# it), and carry .train_data (python -m kdspec.engine.train.prepare --data-dir .train_data) for `train`:
 #
-#     bash tools/gpu_session.sh tests      # GPU tests not yet run on today's code (device drafter, k2-mini, torch golden)
-#     bash tools/gpu_session.sh record     # k2-mini with --golden gpu (time to first step), then the pycoder-mini sample
+#     bash tools/gpu_session.sh record-k2  # k2-mini --golden gpu: seconds to the first durable step, then check
+#     bash tools/gpu_session.sh train      # kdtree train drafter for pycoder-mini into $OUT/drafter
+#     bash tools/gpu_session.sh tests      # GPU tests of the device drafter, torch golden, sampling/tree, k2-mini
+#     bash tools/gpu_session.sh sample     # the pycoder-mini sample trace (dflash drafter, B=64, held-out prompt)
 #     bash tools/gpu_session.sh spec       # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1)
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh tests|record|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|train|tests|sample|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >/dev/null 2>&1 || [ -f /tmp/site/numpy/__init__.py ] || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+kdtree=(python3 -m kdspec.kdtree_tui.cli)
 log="$OUT/$group.log"
 summary=()
 
@@ -24,34 +29,54 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run under a timeout, log everything,
     echo "=== $name: $*" >>"$log"
     timeout "$limit" "$@" >>"$log" 2>&1
     local code=$?
-    summary+=("$(printf '%-40s exit %-4s %5ss' "$name" "$code" "$((SECONDS - start))")")
-    tail -n 3 "$log"
+    summary+=("$(printf '%-28s exit %-4s %5ss' "$name" "$code" "$((SECONDS - start))")")
+}
+
+first_step_seconds() {  # first_step_seconds TRACE: the trace appears at its path once its first step is durable
+    local start=$EPOCHREALTIME
+    while [ ! -e "$1" ]; do sleep 0.1; done
+    python3 -c "print(f'time to the first durable step: {$EPOCHREALTIME - $start:.1f} s')" >>"$log"
 }
 
 case "$group" in
-tests)
-    step device-drafter 240 python3 -m pytest -q tests/engine/test_device_drafter.py tests/kernels/test_topk_select.py \
-        tests/engine/test_block_drafter.py
-    step torch-golden-cuda 120 python3 -m pytest -q tests/engine/test_golden_torch.py
-    step sampling-tree 150 python3 -m pytest -q tests/kernels/test_sampling_split.py tests/kernels/test_tree.py
-    step k2-mini-device-model 330 python3 -m pytest -q -m gpu -k k2 tests/engine/test_device_model.py
+record-k2)
+    rm -f "$OUT/k2-mini-sample.h5"
+    first_step_seconds "$OUT/k2-mini-sample.h5" &
+    step k2-mini-golden-gpu 300 "${kdtree[@]}" record --model k2-mini --golden gpu --drafter noisy:0.7 --budget 64 \
+        --max-new-tokens 64 --out "$OUT/k2-mini-sample.h5"
+    kill %1 2>/dev/null
+    step k2-mini-check 60 "${kdtree[@]}" check "$OUT/k2-mini-sample.h5"
+    grep -a "first durable step" "$log"
     ;;
-record)
-    step k2-mini-golden-gpu 420 python3 -m kdspec.kdtree_tui.cli record --model k2-mini --golden gpu \
-        --drafter noisy:0.7 --budget 64 --max-new-tokens 64 --out "$OUT/k2-mini-sample.h5" --force
-    step k2-mini-check 60 python3 -m kdspec.kdtree_tui.cli check "$OUT/k2-mini-sample.h5"
+train)
+    step train-drafter 560 "${kdtree[@]}" train drafter --model engine/model/presets/pycoder-mini --data .train_data ${TRAIN_ARGS:-} \
+        --out "$OUT/drafter" --force
+    tail -n 8 "$log"
+    ;;
+tests)
+    step device-drafter 200 python3 -m pytest -q tests/engine/test_device_drafter.py tests/kernels/test_topk_select.py \
+        tests/engine/test_block_drafter.py
+    step torch-golden-cuda 90 python3 -m pytest -q tests/engine/test_golden_torch.py
+    step sampling-tree 120 python3 -m pytest -q tests/kernels/test_sampling_split.py tests/kernels/test_tree.py
+    grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)" "$log"
+    ;;
+tests-k2)
+    step k2-mini-device-model 420 python3 -m pytest -q -m gpu -k k2 tests/engine/test_device_model.py
+    grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)" "$log"
+    ;;
+sample)
     prompt=$(python3 -c "import json; print(','.join(map(str, json.load(open(
         'engine/model/presets/pycoder-mini/heldout_prompts.json'))['prompts'][0])))")
-    step pycoder-sample 120 python3 -m kdspec.kdtree_tui.cli record --model pycoder-mini --drafter dflash \
-        --budget 64 --max-new-tokens 128 --prompt-ids "$prompt" --out "$OUT/pycoder-mini-sample.h5" --force
-    step pycoder-check 60 python3 -m kdspec.kdtree_tui.cli check "$OUT/pycoder-mini-sample.h5"
+    step pycoder-sample 120 "${kdtree[@]}" record --model pycoder-mini --drafter dflash --budget 64 \
+        --max-new-tokens 128 --prompt-ids "$prompt" --out "$OUT/pycoder-mini-sample.h5" --force
+    step pycoder-check 60 "${kdtree[@]}" check "$OUT/pycoder-mini-sample.h5"
     ;;
 spec)
-    step bench-spec 560 python3 -m kdspec.kdtree_tui.cli bench spec --json
-    cp "$log" "$OUT/spec.json.log"
+    step bench-spec 560 "${kdtree[@]}" bench spec
+    tail -n 60 "$log"
     ;;
 *)
-    echo "unknown group $group (tests, record, spec)" >&2
+    echo "unknown group $group (record-k2, train, tests, tests-k2, sample, spec)" >&2
     exit 2
     ;;
 esac

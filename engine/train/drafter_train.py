@@ -10,7 +10,7 @@ config.json (engine/model/drafter.py), model.safetensors (bf16), manifest.json (
 curve, held-out metrics next to bigram baselines measured in the same run, versions, device) and train.log. Bad
 input prints one line on stderr and exits 2.
 
-    PYTHONPATH=$PWD python3 -m kdspec.engine.train.drafter_train --data .train_data --out OUT/drafter
+    kdtree train drafter --model engine/model/presets/pycoder-mini --data .train_data --out OUT/drafter
 """
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ class Recipe:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     default = Recipe()
-    parser.add_argument("--target", default=str(shipped_model_dir("pycoder-mini")),
-                        help="target model directory (default: the shipped pycoder-mini)")
+    parser.add_argument("--model", "--target", dest="target", metavar="DIR", default=str(shipped_model_dir("pycoder-mini")),
+                        help="the target's model directory (default: the shipped pycoder-mini)")
     parser.add_argument("--data", default=".train_data", help="prepared data directory (engine/train/prepare.py)")
     parser.add_argument("--out", required=True, help="drafter directory to write")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
