@@ -19,6 +19,12 @@ if "NUMBA_ENABLE_CUDASIM" not in os.environ and not _gpu_visible():
 ON_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
+@pytest.fixture(scope="session")
+def device_backend() -> str:
+    """The `sim` tests' device backend: the simulator here, the GPU itself where there is one."""
+    return "sim" if ON_SIMULATOR else "cuda"
+
+
 def pytest_collection_modifyitems(config, items):
     if not ON_SIMULATOR:
         return

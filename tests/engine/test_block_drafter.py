@@ -53,41 +53,41 @@ def test_a_drafter_for_another_target_is_refused(tmp_path):
 
 
 @pytest.mark.sim
-def test_device_model_keeps_the_hidden_states_the_golden_keeps(tmp_path):
+def test_device_model_keeps_the_hidden_states_the_golden_keeps(tmp_path, device_backend):
     # drafts read the cache's kept hidden states, which the verify writes and compaction moves: the same
     # drafts (so the same taus and tokens) on the simulated device model as on the golden
     directory = random_drafter_dir(tmp_path, hidden_size=32, target_layers=(0, 1, 2))
     config = DecodeConfig(12, mode="ddtree", drafter=f"dflash:{directory}", block_size=5, budget=6)
     prompt = np.array([5, 17, 99, 3, 42])
     runs, records = {}, {}
-    for backend in ("reference", "sim"):
+    for backend in ("reference", device_backend):
         engine = api.load("tiny", backend=backend)
         records[backend] = []
         runs[backend] = engine.generate(prompt, config, golden=True, on_step=records[backend].append)
         assert isinstance(engine.block_drafter(str(directory), 4), BlockDrafter)
-    assert runs["sim"].golden_match and runs["reference"].golden_match
-    assert runs["sim"].taus == runs["reference"].taus
-    assert len(records["sim"]) == len(records["reference"]) > 2
-    for on_device, golden in zip(records["sim"], records["reference"]):
+    assert runs[device_backend].golden_match and runs["reference"].golden_match
+    assert runs[device_backend].taus == runs["reference"].taus
+    assert len(records[device_backend]) == len(records["reference"]) > 2
+    for on_device, golden in zip(records[device_backend], records["reference"]):
         # the drafts of every step, from hidden states the device kept (float32) and the golden kept (float64)
         np.testing.assert_array_equal(on_device["draft_ids"], golden["draft_ids"])
         np.testing.assert_allclose(on_device["draft_logprobs"], golden["draft_logprobs"], atol=1e-4)
 
 
 @pytest.mark.sim
-def test_device_hidden_rows_follow_verify_and_compaction_like_the_golden():
+def test_device_hidden_rows_follow_verify_and_compaction_like_the_golden(device_backend):
     # a prefill, then a verify over a branching tree and a compaction that moves rows: the kept hidden states
     # of the committed rows match the golden's (float32 vs float64)
     from kdspec.engine.golden import ddtree
     layers = (0, 1, 2)
-    device, golden = api.load("tiny", backend="sim").model, api.load("tiny", backend="reference").model
+    device, golden = api.load("tiny", backend=device_backend).model, api.load("tiny", backend="reference").model
     parents = np.array([-1, 0, 0, 1, 2, 4])
     tokens = np.array([7, 8, 9, 10, 11, 12])
     depths = np.array([0, 1, 1, 2, 2, 3])
     visibility = ddtree.visibility_from_parents(parents)
     accepted = np.array([0, 2, 4, 5])
     kept = {}
-    for name, model in (("sim", device), ("reference", golden)):
+    for name, model in (("device", device), ("reference", golden)):
         cache = model.new_cache(32, hidden_layers=layers)
         prompt = np.array([3, 1, 4, 1, 5])
         model.forward(cache, prompt, np.arange(5))
@@ -95,13 +95,13 @@ def test_device_hidden_rows_follow_verify_and_compaction_like_the_golden():
         model.forward(cache, tokens, 5 + depths, visibility)
         model.compact(cache, accepted)
         kept[name] = np.asarray(model.hidden_rows(cache, cache.length), dtype=np.float64)
-    assert kept["sim"].shape == (3, 9, 32)
-    np.testing.assert_allclose(kept["sim"], kept["reference"], atol=1e-4, rtol=1e-4)
+    assert kept["device"].shape == (3, 9, 32)
+    np.testing.assert_allclose(kept["device"], kept["reference"], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.sim
 @pytest.mark.parametrize("accepted, launches", [([0, 1, 2], 0), ([0], 0), ([0, 2, 4], 2)])
-def test_compaction_of_a_path_already_in_place_launches_nothing(monkeypatch, accepted, launches):
+def test_compaction_of_a_path_already_in_place_launches_nothing(monkeypatch, device_backend, accepted, launches):
     """accepted = 0, 1, .., tau-1 (the root and a chain of first-numbered children): the rows are where
     compaction would put them, so no kernel runs; the cache then equals the golden's, as after a moving one."""
     from kdspec.engine.device import model as device_model
@@ -113,7 +113,7 @@ def test_compaction_of_a_path_already_in_place_launches_nothing(monkeypatch, acc
     depths = np.array([0, 1, 2, 1, 3, 2])
     tokens = np.array([7, 8, 9, 10, 11, 12])
     kept = {}
-    for name in ("sim", "reference"):
+    for name in (device_backend, "reference"):
         model = api.load("tiny", backend=name).model
         cache = model.new_cache(32, hidden_layers=(0, 2))
         model.forward(cache, np.array([3, 1, 4, 1, 5]), np.arange(5))
@@ -123,4 +123,4 @@ def test_compaction_of_a_path_already_in_place_launches_nothing(monkeypatch, acc
         assert cache.length == 5 + len(accepted)
         kept[name] = np.asarray(model.hidden_rows(cache, cache.length), dtype=np.float64)
     assert len(calls) == launches   # the kv rows and the kept hidden states: one launch each when rows move
-    np.testing.assert_allclose(kept["sim"], kept["reference"], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(kept[device_backend], kept["reference"], atol=1e-4, rtol=1e-4)

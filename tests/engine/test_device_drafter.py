@@ -19,12 +19,6 @@ from kdspec.engine.model.safetensors_io import save_file
 TOLERANCE = 1e-4  # fp32 against float64, per log-prob (docs/architecture.md: the golden tolerance)
 
 
-def device_backend() -> str:
-    """The sim tests' device backend: the simulator here, the GPU itself where there is one."""
-    from numba.cuda import config
-    return "sim" if config.ENABLE_CUDASIM else "cuda"
-
-
 def random_drafter(rng, hidden_size, num_target_layers, **shape):
     """(DrafterConfig, float32 weights) of a random toy drafter; ``shape`` overrides the drawn fields."""
     layers = sorted(rng.choice(num_target_layers + 1, int(rng.integers(1, num_target_layers + 2)), replace=False))
@@ -72,9 +66,9 @@ def compare_with_golden(ids, logprobs, golden_logprobs, top_k):
 
 
 @pytest.mark.sim
-def test_device_drafts_equal_the_golden_on_random_inputs():
+def test_device_drafts_equal_the_golden_on_random_inputs(device_backend):
     from kdspec.engine.device.drafter import DeviceDrafter
-    engine = api.load("tiny", backend=device_backend())
+    engine = api.load("tiny", backend=device_backend)
     model, cfg_t = engine.model, engine.cfg
     embed, lm_head = target_embed_lm_head(engine)
     compared = skipped = 0
@@ -106,9 +100,9 @@ def test_device_drafts_equal_the_golden_on_random_inputs():
 
 
 @pytest.mark.sim
-def test_ddtree_with_the_device_drafter_equals_ar(tmp_path):
+def test_ddtree_with_the_device_drafter_equals_ar(tmp_path, device_backend):
     rng = np.random.default_rng(1818)
-    engine = api.load("tiny", backend=device_backend())
+    engine = api.load("tiny", backend=device_backend)
     cfg, weights = random_drafter(rng, engine.cfg.hidden_size, engine.cfg.num_hidden_layers, block_size=5,
                                   latent_dim=16, rope_dim=8, num_heads=2, num_layers=2)
     directory = save_drafter(tmp_path, cfg, weights)
@@ -136,23 +130,23 @@ def test_the_reference_backend_keeps_the_golden_drafter(tmp_path):
 
 
 @pytest.mark.sim
-def test_a_drafter_too_wide_for_the_attention_kernels_is_refused(tmp_path):
+def test_a_drafter_too_wide_for_the_attention_kernels_is_refused(tmp_path, device_backend):
     # the simulator's kernels take c <= 32, r <= 8 (pycoder-mini's drafter has 64 / 16); a GPU's 512 / 64
     from kdspec.numba_kernels.attention.common import MAX_LATENT, MAX_ROPE
-    engine = api.load("tiny", backend=device_backend())
+    engine = api.load("tiny", backend=device_backend)
     cfg, weights = random_drafter(np.random.default_rng(4), engine.cfg.hidden_size, engine.cfg.num_hidden_layers,
                                   latent_dim=2 * MAX_LATENT, rope_dim=2 * MAX_ROPE)
     with pytest.raises(DrafterError, match=rf"latent_dim {2 * MAX_LATENT} / rope_dim {2 * MAX_ROPE} exceed .* "
-                                           rf"backend '{device_backend()}'.* 'reference'"):
+                                           rf"backend '{device_backend}'.* 'reference'"):
         engine.block_drafter(str(save_drafter(tmp_path, cfg, weights)), 4)
     with pytest.raises(DrafterError):  # as kdtree record builds it: one line, exit 2, before any file
         engine.make_drafter([1, 2], DecodeConfig(4, mode="ddtree", drafter=f"dflash:{tmp_path}"))
 
 
 @pytest.mark.sim
-def test_draft_checks_its_cache(tmp_path):
+def test_draft_checks_its_cache(tmp_path, device_backend):
     from kdspec.engine.device.drafter import DeviceDrafter
-    engine = api.load("tiny", backend=device_backend())
+    engine = api.load("tiny", backend=device_backend)
     cfg, weights = random_drafter(np.random.default_rng(5), engine.cfg.hidden_size, engine.cfg.num_hidden_layers)
     drafter = DeviceDrafter(cfg, weights, engine.model, 2)
     with pytest.raises(ValueError, match="cache"):

@@ -16,11 +16,6 @@ LOGIT_TOL = 1e-4   # fp32 engine vs float64 golden, per committed position
 CACHE_TOL = 1e-4   # compacted cache rows vs the golden AR cache
 
 
-def _device_backend() -> str:
-    from numba.cuda import config
-    return "sim" if config.ENABLE_CUDASIM else "cuda"
-
-
 def _check_records(records, golden_tokens_after_prompt):
     for record in records:
         assert np.array_equal(record["committed_tokens"], record["golden_tokens"]), record["prefix_len"]
@@ -29,8 +24,8 @@ def _check_records(records, golden_tokens_after_prompt):
 
 
 @pytest.fixture(scope="module", params=["tiny", "small"])
-def engine_and_golden(request):
-    engine = api.load(request.param, backend=_device_backend(), seed=0)
+def engine_and_golden(request, device_backend):
+    engine = api.load(request.param, backend=device_backend, seed=0)
     golden = engine.golden(PROMPT, 24 + 8)
     return engine, golden
 
