@@ -8,7 +8,7 @@
 #     bash tools/gpu_session.sh train      # kdtree train drafter for pycoder-mini into $OUT/drafter
 #     bash tools/gpu_session.sh tests      # GPU tests of the device drafter, torch golden, sampling/tree, k2-mini
 #     bash tools/gpu_session.sh sample     # the pycoder-mini sample trace (dflash drafter, B=64, held-out prompt)
-#     bash tools/gpu_session.sh spec       # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1)
+#     bash tools/gpu_session.sh spec [T]   # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1; or T only)
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
@@ -19,7 +19,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     >/dev/null 2>&1 || [ -f /tmp/site/numpy/__init__.py ] || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 kdtree=(python3 -m kdspec.kdtree_tui.cli)
-log="$OUT/$group.log"
+log="$OUT/$group${2:+-$2}.log"
 summary=()
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run under a timeout, log everything, remember the outcome
@@ -56,8 +56,8 @@ train)
 tests)
     step device-drafter 200 python3 -m pytest -q tests/engine/test_device_drafter.py tests/kernels/test_topk_select.py \
         tests/engine/test_block_drafter.py
-    step torch-golden-cuda 90 python3 -m pytest -q tests/engine/test_golden_torch.py
-    step sampling-tree 120 python3 -m pytest -q tests/kernels/test_sampling_split.py tests/kernels/test_tree.py
+    [ -n "${SKIP_TORCH_GOLDEN:-}" ] || step torch-golden-cuda 90 python3 -m pytest -q tests/engine/test_golden_torch.py
+    step sampling-tree 400 python3 -m pytest -q tests/kernels/test_sampling_split.py tests/kernels/test_tree.py
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)" "$log"
     ;;
 tests-k2)
@@ -72,7 +72,9 @@ sample)
     step pycoder-check 60 "${kdtree[@]}" check "$OUT/pycoder-mini-sample.h5"
     ;;
 spec)
-    step bench-spec 560 "${kdtree[@]}" bench spec
+    step "bench-spec${2:+ T=$2}" "${SPEC_LIMIT_S:-560}" python3 -c "import sys
+from kdspec.engine.bench import runner, spec
+print(runner.format_table(spec.run(temperatures=tuple(float(t) for t in sys.argv[1].split(',')))))" "${2:-0,1}"
     tail -n 60 "$log"
     ;;
 *)

@@ -138,7 +138,8 @@ def _analysed(engine, prompt, config, result_records, path) -> object:
         return analyze(reader, check_steps=0)
 
 
-def run(quick: bool = False) -> list[dict]:
+def run(quick: bool = False, temperatures=TEMPERATURES) -> list[dict]:
+    """The suite's rows; ``temperatures`` splits it (two processes, one temperature each, fit shorter limits)."""
     backend = "reference" if quick else "auto"
     prompts_n, new_tokens, budgets = (2, 8, (8,)) if quick else (PROMPTS, NEW_TOKENS, BUDGETS)
     engine = api.load(MODEL, backend=backend)
@@ -147,7 +148,7 @@ def run(quick: bool = False) -> list[dict]:
     prompts = heldout_prompts(prompts_n)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kdtree-bench-spec-") as tmp:
-        for temperature in TEMPERATURES:
+        for temperature in temperatures:
             totals, ar_tokens = {}, []
             for label, keywords in _runs(BLOCK_SIZE, budgets):
                 progress(f"spec: T={temperature:g} {label}, {len(prompts)} prompts x {new_tokens} tokens")
@@ -164,7 +165,10 @@ def run(quick: bool = False) -> list[dict]:
                     analytics = None if keywords["mode"] == "ar" else _analysed(
                         engine, prompt, config, records, os.path.join(tmp, f"run{i}.h5"))
                     total.add(result, ar_tokens[i], analytics)
-                progress(f"spec: {label} done in {time.perf_counter() - started:.1f} s, mean tau {total.mean_tau:.2f}")
+                # the run's headline figures as soon as it ends: a run cut short by a time limit keeps them
+                progress(f"spec: T={temperature:g} {label} done in {time.perf_counter() - started:.1f} s, mean tau "
+                         f"{total.mean_tau:.2f}, {total.tokens_per_second:.1f} tok/s, equal to AR {total.equal}/"
+                         f"{len(prompts)}")
             rows += _rows(temperature, totals, len(prompts), new_tokens, engine.backend)
     return rows
 
