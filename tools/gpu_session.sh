@@ -8,7 +8,8 @@
 #     bash tools/gpu_session.sh train      # kdtree train drafter for pycoder-mini into $OUT/drafter
 #     bash tools/gpu_session.sh tests      # GPU tests of the device drafter, torch golden, sampling/tree, k2-mini
 #     bash tools/gpu_session.sh sample     # the pycoder-mini sample trace (dflash drafter, B=64, held-out prompt)
-#     bash tools/gpu_session.sh spec [T]   # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1; or T only)
+#     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
+#                                          # budgets 8..256; or T and those budgets only)
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
@@ -19,7 +20,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     >/dev/null 2>&1 || [ -f /tmp/site/numpy/__init__.py ] || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 kdtree=(python3 -m kdspec.kdtree_tui.cli)
-log="$OUT/$group${2:+-$2}.log"
+log="$OUT/$group${2:+-$2}${3:+-$3}.log"
 summary=()
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run under a timeout, log everything, remember the outcome
@@ -74,7 +75,9 @@ sample)
 spec)
     step "bench-spec${2:+ T=$2}" "${SPEC_LIMIT_S:-560}" python3 -c "import sys
 from kdspec.engine.bench import runner, spec
-print(runner.format_table(spec.run(temperatures=tuple(float(t) for t in sys.argv[1].split(',')))))" "${2:-0,1}"
+t, b = (tuple(float(x) for x in a.split(',')) for a in sys.argv[1:])
+print(runner.format_table(spec.run(temperatures=t, budgets=tuple(int(x) for x in b))))" "${2:-0,1}" \
+        "${3:-8,16,32,64,128,256}"
     tail -n 60 "$log"
     ;;
 *)

@@ -138,10 +138,10 @@ def _analysed(engine, prompt, config, result_records, path) -> object:
         return analyze(reader, check_steps=0)
 
 
-def run(quick: bool = False, temperatures=TEMPERATURES) -> list[dict]:
-    """The suite's rows; ``temperatures`` splits it (two processes, one temperature each, fit shorter limits)."""
+def run(quick: bool = False, temperatures=TEMPERATURES, budgets=BUDGETS) -> list[dict]:
+    """The suite's rows; ``temperatures`` and ``budgets`` split it into processes that fit shorter limits."""
     backend = "reference" if quick else "auto"
-    prompts_n, new_tokens, budgets = (2, 8, (8,)) if quick else (PROMPTS, NEW_TOKENS, BUDGETS)
+    prompts_n, new_tokens, budgets = (2, 8, (8,)) if quick else (PROMPTS, NEW_TOKENS, budgets)
     engine = api.load(MODEL, backend=backend)
     if engine.backend == "sim":   # the simulator is for toy shapes; pycoder-mini runs exactly on the reference
         engine = api.load(MODEL, backend="reference")
