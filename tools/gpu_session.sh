@@ -16,8 +16,8 @@ set -u
 group=${1:?usage: tools/gpu_session.sh record-k2|train|tests|sample|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >/dev/null 2>&1 || [ -f /tmp/site/numpy/__init__.py ] || exit 1
+[ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1   # once: groups started side by side share it
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 kdtree=(python3 -m kdspec.kdtree_tui.cli)
 log="$OUT/$group${2:+-$2}${3:+-$3}.log"
