@@ -20,7 +20,9 @@ mkdir -p "$OUT"
     --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1   # once: groups started side by side share it
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 kdtree=(python3 -m kdspec.kdtree_tui.cli)
-log="$OUT/$group${2:+-$2}${3:+-$3}.log"
+suffix="${2:+-$2}${3:+-$3}"
+log="$OUT/$group${suffix//,/_}.log"   # names that come back from the device: letters, digits, '.', '_', '-'
+
 summary=()
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run under a timeout, log everything, remember the outcome

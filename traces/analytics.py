@@ -257,6 +257,17 @@ def analyze(reader, bench_rows: Optional[list] = None, check_steps: int = CHECK_
     return _finish(sums, steps, depths, topk, budget, budgets, cost)
 
 
+def folded_rank_histogram(histogram: np.ndarray, shown: int) -> tuple[list[str], np.ndarray]:
+    """(column labels, counts [L, <= shown + 2]) of a rank histogram [L, K+1] for display: ranks 0..shown-1 one
+    column each, ranks shown..K-1 summed into "r{shown}+", then "absent" (the target's token not drafted)."""
+    k = histogram.shape[1] - 1
+    if k <= shown + 1:   # folding one rank into "rN+" saves nothing
+        return [f"r{r}" for r in range(k)] + ["absent"], histogram
+    folded = np.concatenate([histogram[:, :shown], histogram[:, shown:k].sum(axis=1, keepdims=True),
+                             histogram[:, k:]], axis=1)
+    return [f"r{r}" for r in range(shown)] + [f"r{shown}+", "absent"], folded
+
+
 def binned_calibration(count: np.ndarray, stated_sum: np.ndarray,
                        hits: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
     """Per bin (forecasts ``count``, summed stated probability, hits) the mean stated probability and the measured

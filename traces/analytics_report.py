@@ -9,7 +9,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kdspec.traces.analytics import TraceAnalytics, WhyTau, analyze, why_tau
+from kdspec.traces.analytics import TraceAnalytics, WhyTau, analyze, folded_rank_histogram, why_tau
+
+SHOWN_RANKS = 16   # drafter ranks `kdtree info` shows one column each; the rest summed into "rN+" (JSON has all)
 
 
 def why_json(why: WhyTau) -> dict[str, Any]:
@@ -79,9 +81,12 @@ def analytics_text(a: TraceAnalytics) -> str:
         lines.append("accept d   " + "  ".join(f"{d}:{pct(r)}" for d, r in enumerate(a.reached, 1)))
         lines.append("given d-1  " + "  ".join(f"{d}:{pct(r)}" for d, r in enumerate(a.conditional, 1)))
         lines.append("stops      " + "  ".join(f"{k} {v}" for k, v in a.stops.items()))
-        lines.append("rank of the target's token per depth (" + " ".join(f"r{r}" for r in range(a.draft_topk))
-                     + " absent)")
-        lines += [f"  d {d:>2}    " + " ".join(f"{n:>4}" for n in row) for d, row in enumerate(a.rank_histogram, 1)]
+        labels, histogram = folded_rank_histogram(a.rank_histogram, SHOWN_RANKS)
+        widths = [max(4, len(label)) for label in labels]
+        lines.append("rank of the target's token in the drafter's list, per depth (steps)")
+        lines.append("  depth   " + " ".join(f"{label:>{w}}" for label, w in zip(labels, widths)))
+        lines += [f"  d {d:>2}    " + " ".join(f"{n:>{w}}" for n, w in zip(row, widths))
+                  for d, row in enumerate(histogram, 1)]
         c = a.calibration
         lines.append(f"calibration ECE {c.ece:.3f} over {int(c.bin_count.sum())} forecasts, top-1 ECE {c.ece_top1:.3f} "
                      f"over {int(c.top1_bin_count.sum())} (stated -> measured, n)")

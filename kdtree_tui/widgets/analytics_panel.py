@@ -13,7 +13,7 @@ from rich.text import Text
 from kdspec.kdtree_tui.palette import palette
 from kdspec.kdtree_tui.widgets.charts import bucket_means, column_chart, hbar
 from kdspec.kdtree_tui.widgets.panel import TextPanel
-from kdspec.traces.analytics import TraceAnalytics, WhyTau, analyze, why_tau
+from kdspec.traces.analytics import TraceAnalytics, WhyTau, analyze, folded_rank_histogram, why_tau
 from kdspec.traces.analytics_report import shown_budgets
 from kdspec.traces.schema import TraceError
 
@@ -82,13 +82,12 @@ def render_rank_histogram(a: TraceAnalytics, colours: dict) -> Text:
     text = Text("target token's rank in the drafter list\n", style=colours["label"])
     if not a.num_depths:
         return text
-    k = a.draft_topk
-    shown = min(k, RANK_COLUMNS)
-    heads = [f"r{r}" for r in range(shown)] + ([f"r{shown}+"] if k > shown else []) + [RANK_HEAD[3]]
+    labels, histogram = folded_rank_histogram(a.rank_histogram, RANK_COLUMNS)
+    heads = labels[:-1] + [RANK_HEAD[3]]
     text.append(f"{RANK_HEAD[0]:>4}" + "".join(f"{h:>5}" for h in heads) + f"{RANK_HEAD[-1]:>7}\n",
                 style=colours["muted"])
-    for d, row in enumerate(a.rank_histogram, 1):
-        cells = list(row[:shown]) + ([int(row[shown:k].sum())] if k > shown else []) + [int(row[k])]
+    for d, row in enumerate(histogram, 1):
+        cells = [int(c) for c in row]
         n = int(row.sum())
         text.append(f"{d:>4}")
         best = int(np.argmax(cells)) if n else -1

@@ -13,7 +13,7 @@ import pytest
 from kdspec.engine.decode.records import StepOutcome, TargetReadout, step_record
 from kdspec.engine.golden import ddtree
 from kdspec.traces import RunMetadata, TraceWriter, open_trace
-from kdspec.traces.analytics import BINS, analyze, near_tie_verdict, why_tau
+from kdspec.traces.analytics import BINS, analyze, folded_rank_histogram, near_tie_verdict, why_tau
 from kdspec.traces.analytics_report import analytics_json, analytics_text, why_json, why_text
 from kdspec.traces.budget import bench_cost_model, budget_taus, budget_to_include, chain_taus, fit_cost_model, pop_order
 
@@ -307,6 +307,30 @@ def test_json_and_text_reports(run):
     assert data["rank_histogram"]["ranks"][-1] == "absent"
     text = analytics_text(a)
     assert "ECE" in text and "<- best" in text and "chain" in text
+
+
+def test_folded_rank_histogram_keeps_every_count():
+    rng = np.random.default_rng(3)
+    histogram = rng.integers(0, 50, size=(7, 65))          # K = 64 ranks + absent
+    labels, folded = folded_rank_histogram(histogram, 4)
+    assert labels == ["r0", "r1", "r2", "r3", "r4+", "absent"]
+    np.testing.assert_array_equal(folded[:, :4], histogram[:, :4])
+    for d in range(7):   # by a loop: ranks 4..63 summed, absent last
+        assert folded[d, 4] == sum(int(histogram[d, r]) for r in range(4, 64))
+        assert folded[d, 5] == histogram[d, 64]
+    labels, same = folded_rank_histogram(histogram[:, -6:], 4)   # K = 5: folding one rank saves nothing
+    assert labels == ["r0", "r1", "r2", "r3", "r4", "absent"] and same.shape == (7, 6)
+
+
+def test_info_text_stays_narrow_at_a_large_draft_top_k():
+    # the shipped pycoder-mini sample drafts K = 64 candidates per depth: its report has no 300-column rows
+    from importlib.resources import files
+    with open_trace(str(files("kdspec.kdtree_tui") / "data" / "pycoder-mini-sample.h5")) as reader:
+        a = analyze(reader)
+    assert a.draft_topk == 64
+    lines = analytics_text(a).splitlines()
+    table = [line for line in lines if line.startswith(("  depth", "  d "))]
+    assert len(table) == 1 + 7 and "r16+" in table[0] and max(map(len, table)) <= 120
 
 
 def test_near_tie_verdict():
