@@ -142,4 +142,5 @@ def test_wheel_claims_one_top_level_name(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")} == {ROOT}
     assert "kdspec/kdtree_tui/app.tcss" in names and "kdspec/kdtree_tui/data/k2-mini-sample.h5" in names
+    assert "kdspec/kdtree_tui/data/pycoder-mini-sample.h5" in names
     assert "kdspec/numba_kernels/attention/dispatch.py" in names

@@ -12,8 +12,8 @@ top-K 1) and DDTree at BUDGETS (drafter top-K = min(B, V)), block size BLOCK_SIZ
   expected calibration error, by traces.analytics over the run's steps
   (each prompt's steps recorded to a temporary trace and analysed there, then combined weighted by steps / by
   forecasts), the same numbers `kdtree info` gives for one trace.
-On a GPU the target runs on the cuda backend; elsewhere on the reference backend (float64: slow, but exact).
-The drafter runs its float64 reference forward on the host on every backend (engine/golden/drafter.py).
+On a GPU the target and the drafter run on the cuda backend (the drafter's forward on the device:
+engine/device/drafter.py); elsewhere both run on the reference backend (float64: slower, but exact).
 """
 from __future__ import annotations
 
