@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -29,9 +28,11 @@ from kdspec.engine.model.drafter import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 
 from .drafter_config import default_target_layers
 from .errors import TrainError
+from .outputs import check_output_dir, replace_output_dir
 from .prepare import file_sha256, load_prepared
 
 LOG_FILE = "train.log"
+OUTPUT_FILES = (CONFIG_FILE, WEIGHTS_FILE, MANIFEST_FILE, LOG_FILE)   # what --force may replace
 LABELS = ("labels = the target's fp32 greedy chain: each sequence = a random window of the split's token stream "
           "(prompt) + the target's greedy continuation generated with its KV cache under bf16 autocast; then one "
           "fp32 forward (no autocast, full-precision matmuls) over the whole sequence gives the tapped hidden "
@@ -141,15 +142,13 @@ def run(args: argparse.Namespace) -> int:
     target_config = _read_target_config(target)
     recipe = _recipe(args)
     cfg = _drafter_config(args, target, target_config)
-    _check_output(out, args.force)
+    check_output_dir(out, args.force, OUTPUT_FILES)
     data = _load_data(args.data, target_config)
     _require_torch()
     from .target import _device_name, _torch_device
 
     device = _torch_device(args.device)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    replace_output_dir(out, args.force, OUTPUT_FILES)
     with open(out / LOG_FILE, "a", encoding="utf-8") as log_file:
         log = _tee(log_file)
         from .drafter_loop import train_and_evaluate
@@ -181,13 +180,6 @@ def _drafter_config(args: argparse.Namespace, target: Path, target_config: dict)
         rms_norm_eps=float(target_config.get("rms_norm_eps", 1e-6)),
         target={"name": target.resolve().name, "model_safetensors_sha256": file_sha256(target / "model.safetensors"),
                 "vocab_size": target_config["vocab_size"], "num_hidden_layers": target_config["num_hidden_layers"]})
-
-
-def _check_output(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise TrainError(f"{out}: output directory exists (use --force to replace it)")
-    if out.exists() and not out.is_dir():
-        raise TrainError(f"{out}: output path exists and is not a directory")
 
 
 def _load_data(data_dir: str, target_config: dict):

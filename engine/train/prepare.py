@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from . import corpus as corpus_mod
 from .baselines import measure_baselines
 from .corpus import HELDOUT, TRAIN, CorpusManifest, SourceFile
 from .errors import TrainError
+from .outputs import replace_output_dir
 from .tokenizer import (EOD_ID, TOKENIZER_FILE, ByteLevelDecoder, check_vocab_size, document_bounds, encode_texts,
                         fit_tokenizer, token_stream)
 
@@ -77,11 +77,8 @@ def prepare_data(source: str | Path, data_dir: str | Path, vocab_size: int = DEF
     if not train or not heldout:
         raise TrainError(f"{source}: corpus needs files in both splits, got {len(train)} train and "
                          f"{len(heldout)} held-out")
-    if data_dir.exists() and any(data_dir.iterdir()):
-        if not force:
-            raise TrainError(f"{data_dir}: data directory exists and is not empty (use --force to replace it)")
-        shutil.rmtree(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    replace_output_dir(data_dir, force, (corpus_mod.CORPUS_FILE, TOKENIZER_FILE, *STREAM_FILES.values(),
+                                         BASELINES_FILE, DATA_MANIFEST), what="data directory")
     corpus_path = data_dir / corpus_mod.CORPUS_FILE
     corpus_mod.write_corpus(files, manifest, corpus_path)
     log(f"corpus: {manifest.train.files} train files ({manifest.train.bytes} B), {manifest.heldout.files} "

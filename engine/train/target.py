@@ -26,6 +26,7 @@ from . import corpus as corpus_mod
 from .baselines import measure_baselines
 from .corpus import HELDOUT
 from .errors import TrainError
+from .outputs import replace_output_dir
 from .prepare import DATA_MANIFEST, PreparedData, default_stdlib, file_sha256, resolve_data
 from .recipe import OPTIMS, SHAPES, with_vocab
 from .tokenizer import EOD_ID, check_vocab_size
@@ -58,14 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="transformers' MoE experts kernel (default: transformers' choice)")
 
 
+# What --force may replace: the files a run writes (the model by transformers' save_pretrained, the tokenizer,
+# manifest and log) and heldout_prompts.json (tools/pycoder_prompts.py); a drafter/ inside is refused.
+OUTPUT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", MANIFEST_FILE,
+                LOG_FILE, "heldout_prompts.json")
+
+
 def _prepare_out_dir(out: Path, force: bool) -> None:
-    if out.exists():
-        if not force:
-            raise TrainError(f"{out}: output directory exists (use --force to replace it)")
-        if not out.is_dir():
-            raise TrainError(f"{out}: output path exists and is not a directory")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    replace_output_dir(out, force, OUTPUT_FILES)
 
 
 def _run_baselines(data: PreparedData, log) -> dict:
