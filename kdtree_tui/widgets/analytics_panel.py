@@ -136,7 +136,9 @@ def render_budget_curve(a: TraceAnalytics, colours: dict, width: int) -> Text:
     if a.num_depths:
         chain = "unknown" if curve.chain_mean_tau is None else f"{curve.chain_mean_tau:.2f}"
         line = f"chain (top-1 per depth, budget {a.num_depths}): tau {chain} on {curve.chain_known_steps}/" \
-               f"{a.num_steps} steps (the rest: a chain node not in the tree)"
+               f"{a.num_steps} steps"
+        if curve.chain_known_steps < a.num_steps:
+            line += " (the rest: a chain node not in the tree)"
         if curve.chain_tokens_per_second is not None:
             line += f", {curve.chain_tokens_per_second:.1f} tok/s"
         _wrapped(text, line, width, colours["muted"])

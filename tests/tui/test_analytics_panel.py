@@ -113,6 +113,16 @@ def test_every_line_fits_the_panel(trace, width):
     assert not too_wide, too_wide
 
 
+def test_chain_line_names_unknown_steps_only_when_there_are_some():
+    # the shipped pycoder-mini sample: every step's tree holds the drafter's top-1 chain
+    from importlib.resources import files
+    with open_trace(str(files("kdspec.kdtree_tui") / "data" / "pycoder-mini-sample.h5")) as reader:
+        a = analyze(reader)
+    assert a.curve.chain_known_steps == a.num_steps
+    text = " ".join(render_analytics(a, COLOURS, 120).plain.split())
+    assert f"on {a.num_steps}/{a.num_steps} steps" in text and "the rest" not in text
+
+
 def test_render_why():
     base = dict(step=3, tau=2, budget=16, token=ord("x"), best_first=True, in_tree=False)
     drafted = render_why(WhyTau(**base, depth=2, rank=2, logprob=math.log(0.25), budget_needed=23,
