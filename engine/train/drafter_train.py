@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     cfg = _drafter_config(args, target, target_config)
     check_output_dir(out, args.force, OUTPUT_FILES)
-    data = _load_data(args.data, target_config)
+    data = _load_data(args.data, target, target_config)
     _require_torch()
     from .target import _device_name, _torch_device
 
@@ -182,12 +182,17 @@ def _drafter_config(args: argparse.Namespace, target: Path, target_config: dict)
                 "vocab_size": target_config["vocab_size"], "num_hidden_layers": target_config["num_hidden_layers"]})
 
 
-def _load_data(data_dir: str, target_config: dict):
-    """The prepared data, whose vocabulary must be the target's."""
+def _load_data(data_dir: str, target: Path, target_config: dict):
+    """The prepared data, whose vocabulary must be the target's, and its tokenizer too where the target ships one
+    (the same vocabulary size from another corpus or BPE fit would train the drafter on other token ids)."""
     data = load_prepared(data_dir)
     if data.vocab_size != target_config["vocab_size"]:
         raise TrainError(f"{data_dir}: vocabulary {data.vocab_size} differs from the target's "
                          f"{target_config['vocab_size']}")
+    target_tokenizer = target / data.tokenizer_path.name
+    if target_tokenizer.is_file() and file_sha256(target_tokenizer) != file_sha256(data.tokenizer_path):
+        raise TrainError(f"{data_dir}: {data.tokenizer_path.name} differs from the target's {target_tokenizer} "
+                         f"(data prepared from another corpus or fit?)")
     return data
 
 

@@ -14,14 +14,14 @@ from .errors import TrainError
 
 
 def check_output_dir(path: Path, force: bool, ours: Iterable[str], what: str = "output directory") -> None:
-    """Raise TrainError unless ``path`` is absent, empty, or (with ``force``) an earlier run's output."""
+    """Raise TrainError unless ``path`` is absent or, with ``force``, an empty directory or an earlier run's output."""
     if not (path.exists() or path.is_symlink()):
         return
+    if not force:
+        raise TrainError(f"{path}: {what} exists (use --force to replace it)")
     if not path.is_dir() or path.is_symlink():
         raise TrainError(f"{path}: {what} path exists and is not a directory")
     entries = list(path.iterdir())
-    if entries and not force:
-        raise TrainError(f"{path}: {what} exists and is not empty (use --force to replace it)")
     ours = set(ours)
     foreign = sorted(p.name for p in entries if p.name not in ours or p.is_symlink() or not p.is_file())
     if foreign:

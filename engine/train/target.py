@@ -26,7 +26,7 @@ from . import corpus as corpus_mod
 from .baselines import measure_baselines
 from .corpus import HELDOUT
 from .errors import TrainError
-from .outputs import replace_output_dir
+from .outputs import check_output_dir, replace_output_dir
 from .prepare import DATA_MANIFEST, PreparedData, default_stdlib, file_sha256, resolve_data
 from .recipe import OPTIMS, SHAPES, with_vocab
 from .tokenizer import EOD_ID, check_vocab_size
@@ -133,8 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if corpus_path.is_dir() and not (corpus_path / DATA_MANIFEST).exists() \
             and next(corpus_path.rglob("*.py"), None) is None:
         raise TrainError(f"{corpus_path}: no .py file under the corpus directory")
-    if out.exists() and not args.force:
-        raise TrainError(f"{out}: output directory exists (use --force to replace it)")
+    check_output_dir(out, args.force, OUTPUT_FILES)   # before the data and torch: a refusal costs nothing
 
     missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
     if missing:

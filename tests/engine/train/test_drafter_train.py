@@ -53,6 +53,14 @@ def tiny_data(tmp_path_factory):
     return out
 
 
+def _with_tokenizer(target, copy, text):
+    """A copy of ``target`` that ships a tokenizer.json with ``text``."""
+    import shutil
+    shutil.copytree(target, copy)
+    (copy / "tokenizer.json").write_text(text)
+    return copy
+
+
 SMALL = ["--train-sequences", "6", "--val-sequences", "2", "--heldout-sequences", "3", "--new-tokens", "20",
          "--prompt-min", "5", "--prompt-max", "9", "--gen-batch", "4", "--batch-sequences", "2", "--anchors-per-sequence", "3",
          "--eval-anchors-per-sequence", "4", "--tree-blocks", "8", "--device", "cpu", "--time-budget", "60"]
@@ -132,6 +140,8 @@ def test_usable_anchors_need_room_and_greedy_rows():
     (lambda a, t, d, o: a.__setitem__(1, str(t / "missing")), "no such target"),
     (lambda a, t, d, o: o.mkdir(), "exists"),
     (lambda a, t, d, o: a.extend(["--block-size", "1"]), "block-size"),
+    (lambda a, t, d, o: a.__setitem__(1, str(_with_tokenizer(t, o.parent / "target", '{"model": "another"}'))),
+     "tokenizer.json differs from the target's"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tiny_target, tiny_data, tmp_path, capsys, change, message):
     out = tmp_path / "drafter"

@@ -18,12 +18,15 @@ def test_an_earlier_runs_output_is_replaced_only_with_force(tmp_path):
     assert out.is_dir() and list(out.iterdir()) == []
 
 
-def test_absent_and_empty_directories_need_no_force(tmp_path):
+def test_an_absent_directory_needs_no_force_an_existing_one_does(tmp_path):
     replace_output_dir(tmp_path / "new" / "deep", False, OURS)
+    assert (tmp_path / "new" / "deep").is_dir()
     empty = tmp_path / "empty"
     empty.mkdir()
-    replace_output_dir(empty, False, OURS)
-    assert (tmp_path / "new" / "deep").is_dir() and empty.is_dir()
+    with pytest.raises(TrainError, match="--force"):
+        replace_output_dir(empty, False, OURS)
+    replace_output_dir(empty, True, OURS)
+    assert empty.is_dir()
 
 
 @pytest.mark.parametrize("extra", ["notes.txt", "drafter/", "link"])
