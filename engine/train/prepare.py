@@ -160,21 +160,29 @@ def load_prepared(data_dir: str | Path) -> PreparedData:
     """Read a data directory, checking each file against the digest the manifest records."""
     data_dir = Path(data_dir)
     manifest_path = data_dir / DATA_MANIFEST
+    if not data_dir.is_dir():
+        raise TrainError(f"{data_dir}: no such prepared data directory (python -m kdspec.engine.train.prepare "
+                         f"--data-dir DIR makes one)")
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         checks = [(manifest["tokenizer"]["file"], manifest["tokenizer"]["sha256"])] + \
             [(manifest["streams"][s]["file"], manifest["streams"][s]["sha256"]) for s in (TRAIN, HELDOUT)]
         baselines = json.loads((data_dir / manifest["baselines_file"]).read_text())
     except FileNotFoundError as e:
         raise TrainError(f"{data_dir}: prepared data lacks {Path(e.filename).name}") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError) as e:
         raise TrainError(f"{manifest_path}: not a data manifest ({type(e).__name__}: {e})") from None
+    except OSError as e:
+        raise TrainError(f"{data_dir}: cannot read the prepared data ({e.strerror or e})") from None
     for name, digest in checks:
         if not (data_dir / name).is_file():
             raise TrainError(f"{data_dir}: prepared data lacks {name}")
         if file_sha256(data_dir / name) != digest:
             raise TrainError(f"{data_dir / name}: sha256 differs from {DATA_MANIFEST}")
-    streams = {s: np.load(data_dir / manifest["streams"][s]["file"]) for s in (TRAIN, HELDOUT)}
+    try:
+        streams = {s: np.load(data_dir / manifest["streams"][s]["file"]) for s in (TRAIN, HELDOUT)}
+    except (ValueError, OSError, EOFError) as e:  # not an .npy array (pickles are refused: allow_pickle is off)
+        raise TrainError(f"{data_dir}: a token stream is not a numpy array file ({e})") from None
     for split, stream in streams.items():
         if stream.dtype != np.uint16 or stream.ndim != 1:
             raise TrainError(f"{data_dir}: {split} stream must be 1-D uint16, got {stream.dtype} {stream.shape}")
