@@ -70,11 +70,13 @@ class Recipe:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     default = Recipe()
-    parser.add_argument("--model", "--target", dest="target", metavar="DIR", default=str(shipped_model_dir("pycoder-mini")),
+    parser.add_argument("--model", "--target", dest="target", metavar="DIR",
+                        default=str(shipped_model_dir("pycoder-mini")),
                         help="the target's model directory (default: the shipped pycoder-mini)")
     parser.add_argument("--data", default=".train_data", help="prepared data directory (engine/train/prepare.py)")
     parser.add_argument("--out", required=True, help="drafter directory to write")
-    parser.add_argument("--force", action="store_true", help="replace an existing output directory (only what an earlier run wrote)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing output directory (only what an earlier run wrote)")
     parser.add_argument("--time-budget", type=float, default=240.0,
                         help="seconds of training steps and periodic held-out checks (data generation and the "
                              "final evaluation come on top)")

@@ -219,7 +219,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="a Python stdlib directory or a corpus.jsonl.xz (default: this Python's stdlib)")
     parser.add_argument("--data-dir", required=True, help="directory to write the prepared data into")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    parser.add_argument("--force", action="store_true", help="replace an existing data directory (only what an earlier run wrote)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing data directory (only what an earlier run wrote)")
     args = parser.parse_args(argv)
     try:
         prepare_data(args.source, args.data_dir, args.vocab_size, force=args.force)

@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a prepared data directory (python -m engine.train.prepare), its corpus.jsonl.xz, a "
                              "corpus file, or a Python stdlib directory (default: this Python's stdlib)")
     parser.add_argument("--out", required=True, help="model directory to write")
-    parser.add_argument("--force", action="store_true", help="replace an existing output directory (only what an earlier run wrote)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing output directory (only what an earlier run wrote)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="BPE vocabulary size (default: the prepared data's, else 4096)")
     parser.add_argument("--time-budget", type=float, default=240.0,
