@@ -62,25 +62,48 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _tensor_rng(seed: int, name: str) -> np.random.Generator:
-    # One stream per tensor: any tensor can be regenerated alone, in any order.
-    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+# Tensors above this many elements are drawn in row chunks, each from its own generator, so that one big tensor
+# (k2-mini's embedding and lm_head: 1.17 G elements each, ~15 s on one core) spreads over every core.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _tensor_rng(seed: int, name: str, chunk: int | None = None) -> np.random.Generator:
+    # One stream per tensor (per row chunk of a big one): any tensor can be regenerated alone, in any order.
+    key = [seed, zlib.crc32(name.encode())]
+    return np.random.default_rng(key if chunk is None else key + [chunk])
+
+
+def _row_chunks(shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Row ranges [start, stop) of a tensor drawn in chunks; one range (the whole tensor) up to CHUNK_ELEMENTS."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if size <= CHUNK_ELEMENTS or len(shape) < 2:
+        return [(0, shape[0] if shape else 1)]
+    rows = max(1, CHUNK_ELEMENTS // (size // shape[0]))
+    return [(start, min(start + rows, shape[0])) for start in range(0, shape[0], rows)]
+
+
+def _fill(out: np.ndarray, name: str, seed: int, chunk: int | None, chunks: int) -> None:
+    """Draw ``out`` (a whole tensor, or row chunk ``chunk`` of ``chunks``) in place: norms near 1, gate bias
+    spread so it changes routing, embedding ~ N(0, 1), linears ~ N(0, 1/fan_in)."""
+    rng = _tensor_rng(seed, name, chunk if chunks > 1 else None)
+    rng.standard_normal(out.shape, dtype=np.float32, out=out)
+    if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        out *= np.float32(0.1)
+        out += np.float32(1.0)
+    elif name.endswith("e_score_correction_bias"):
+        out *= np.float32(0.2)
+    elif name != "model.embed_tokens.weight":
+        # lm_head a little hotter so logits have margins well above fp32 rounding.
+        gain = 2.0 if name == "lm_head.weight" else 1.0
+        out *= np.float32(gain / np.sqrt(out.shape[-1]))
 
 
 def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype=np.float32) -> np.ndarray:
-    """Seeded init: norms near 1, gate bias spread so it changes routing, linears ~ N(0, 1/fan_in)."""
-    rng = _tensor_rng(seed, name)
-    if name.endswith("layernorm.weight") or name == "model.norm.weight":
-        out = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
-    elif name.endswith("e_score_correction_bias"):
-        out = 0.2 * rng.standard_normal(shape, dtype=np.float32)
-    elif name == "model.embed_tokens.weight":
-        out = rng.standard_normal(shape, dtype=np.float32)
-    else:
-        # lm_head a little hotter so logits have margins well above fp32 rounding.
-        gain = 2.0 if name == "lm_head.weight" else 1.0
-        out = rng.standard_normal(shape, dtype=np.float32)
-        out *= np.float32(gain / np.sqrt(shape[-1]))
+    """One seeded parameter (the same values random_weights gives it)."""
+    out = np.empty(shape, dtype=np.float32)
+    chunks = _row_chunks(shape)
+    for i, (start, stop) in enumerate(chunks):
+        _fill(out[start:stop], name, seed, i, len(chunks))
     return out.astype(dtype, copy=False)
 
 
@@ -88,17 +111,30 @@ def random_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32,
                    workers: int | None = None) -> dict[str, np.ndarray]:
     """All parameters, seeded; float32 by default (the golden widens to float64 itself).
 
-    Each tensor draws from its own generator (seed, name), so the tensors are made in ``workers`` threads
-    (default: one per CPU; numpy's generators release the GIL for bulk draws) with the same values as one thread
-    gives: k2-mini's 28 GiB take minutes on one core.
+    Each tensor (each row chunk of a tensor over CHUNK_ELEMENTS) draws from its own generator, so the work runs
+    in ``workers`` threads (default: one per CPU; numpy's generators release the GIL for bulk draws) with the
+    same values as one thread gives: k2-mini's 28 GiB take minutes on one core.
     """
     shapes = parameter_shapes(cfg)
-    workers = min(len(shapes), workers or os.cpu_count() or 1)
+    tensors = {name: np.empty(shape, dtype=np.float32) for name, shape in shapes.items()}
+    jobs = []
+    for name, shape in shapes.items():
+        chunks = _row_chunks(shape)
+        jobs += [(name, i, len(chunks), start, stop) for i, (start, stop) in enumerate(chunks)]
+    jobs.sort(key=lambda job: -(job[4] - job[3]) * int(np.prod(shapes[job[0]][1:], dtype=np.int64)))  # big first
+
+    def run(job) -> None:
+        name, i, chunks, start, stop = job
+        _fill(tensors[name][start:stop], name, seed, i, chunks)
+
+    workers = min(len(jobs), workers or os.cpu_count() or 1)
     if workers <= 1:
-        return {name: random_tensor(name, shape, seed, dtype) for name, shape in shapes.items()}
-    with ThreadPoolExecutor(workers) as pool:
-        tensors = list(pool.map(lambda item: random_tensor(item[0], item[1], seed, dtype), shapes.items()))
-    return dict(zip(shapes, tensors))
+        for job in jobs:
+            run(job)
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(run, jobs))
+    return {name: tensor.astype(dtype, copy=False) for name, tensor in tensors.items()}
 
 
 class WeightError(ValueError):
