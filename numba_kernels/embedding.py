@@ -12,6 +12,7 @@ import math
 import numpy as np
 from numba import cuda, uint32
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array, is_device_array
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, row_blocks
 
@@ -20,7 +21,7 @@ QUIET_NAN_BITS = 0x7FC00000
 BF16_DTYPES = (np.int16, np.uint16)
 
 
-@cuda.jit
+@kernel_cache.jit
 def embed_float32_kernel(table, token_ids, out):
     """table float32 [V, d]; token_ids int [s]; out float32 [s, d]. Grid (row_blocks(s), ceil(d / threads)),
     grid-stride over tokens."""
@@ -35,7 +36,7 @@ def embed_float32_kernel(table, token_ids, out):
             out[token, column] = table[row, column]
 
 
-@cuda.jit
+@kernel_cache.jit
 def embed_bf16_kernel(table_bits, token_ids, out_bits):
     """table_bits int16/uint16 [V, d] (bf16 patterns); out_bits: uint32 view of the float32 [s, d] output.
     Grid as embed_float32_kernel."""

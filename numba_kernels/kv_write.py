@@ -13,6 +13,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array, is_device_array
 from kdspec.numba_kernels.launch import launch
 from kdspec.numba_kernels.reductions import block_sum
@@ -23,7 +24,7 @@ from kdspec.numba_kernels.runtime import ON_SIMULATOR, row_blocks
 KV_THREADS = 4 if ON_SIMULATOR else 256  # power of two (block_sum)
 
 
-@cuda.jit
+@kernel_cache.jit
 def write_kv_rows_kernel(kv_a, kv_norm_weight, eps, cos_table, sin_table, positions, cache, layer, cache_start):
     """kv_a float32 [s, c+r]; kv_norm_weight float32 [c]; positions int64 [s];
     cache float32 [layers, t, c+r]: rows cache_start .. cache_start+s-1 of `layer` written.

@@ -12,6 +12,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array, is_device_array
 from kdspec.numba_kernels.reductions import block_sum
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, row_blocks
@@ -27,7 +28,7 @@ def inverse_rms(row_sum_squares, width, eps):
     return float32(1.0) / math.sqrt(row_sum_squares / float32(width) + eps)
 
 
-@cuda.jit
+@kernel_cache.jit
 def rms_norm_kernel(x, weight, eps, out):
     """x float32 [s, d]; weight float32 [d]; eps float32; out float32 [s, d] (may alias x).
     Grid (row_blocks(s),): block b does rows b, b + gridDim, ..."""
@@ -47,7 +48,7 @@ def rms_norm_kernel(x, weight, eps, out):
             out[row, j] = x[row, j] * inv * weight[j]
 
 
-@cuda.jit
+@kernel_cache.jit
 def add_rms_norm_kernel(x, residual, weight, eps, out):
     """residual += x, then out = rms_norm(residual) * weight. x, residual, out float32 [s, d];
     grid (row_blocks(s),), grid-stride over rows."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array, is_device_array
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function
 
@@ -41,7 +42,7 @@ def rotate_pair(even, odd, cos, sin):
     return even * cos - odd * sin, even * sin + odd * cos
 
 
-@cuda.jit
+@kernel_cache.jit
 def rope_heads_kernel(x, cos_table, sin_table, positions):
     """x float32 [s, h, r] (any strides), rotated in place; positions int64 [s]. Grid over s*h*(r/2)."""
     tokens, heads, pairs = x.shape[0], x.shape[1], x.shape[2] // 2
@@ -63,7 +64,7 @@ def rope_heads_kernel(x, cos_table, sin_table, positions):
     x[token, head, 2 * pair + 1] = odd
 
 
-@cuda.jit
+@kernel_cache.jit
 def rope_rows_kernel(x, cos_table, sin_table, positions):
     """x float32 [s, r] (any strides, e.g. the k_pe columns of kv_a), rotated in place; positions int64 [s]."""
     tokens, pairs = x.shape[0], x.shape[1] // 2

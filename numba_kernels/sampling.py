@@ -17,6 +17,7 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, int32, uint64
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array as to_device
 from kdspec.numba_kernels.reductions import INT32_MAX, block_argmax, block_max, block_sum
 from kdspec.numba_kernels.runtime import MAX_ROW_BLOCKS, ON_SIMULATOR, device_function, row_blocks
@@ -53,7 +54,7 @@ def gumbel(key, token):
     return -math.log(-math.log(u))
 
 
-@cuda.jit
+@kernel_cache.jit
 def argmax_rows_kernel(logits, ids):
     """logits float32 [s, V] -> ids int32 [s]: argmax per row, ties -> lowest id. Grid-stride over rows."""
     scratch = cuda.shared.array(ROW_THREADS, float32)
@@ -71,7 +72,7 @@ def argmax_rows_kernel(logits, ids):
             ids[row] = best_id
 
 
-@cuda.jit
+@kernel_cache.jit
 def sample_rows_kernel(logits, temperature, seed, positions, ids):
     """logits float32 [s, V], positions int [s] -> ids int32 [s]: argmax(logits / T + gumbel(seed, position)),
     in float64, ties -> lowest id. Grid-stride over rows."""
@@ -91,7 +92,7 @@ def sample_rows_kernel(logits, temperature, seed, positions, ids):
             ids[row] = best_id
 
 
-@cuda.jit
+@kernel_cache.jit
 def log_softmax_rows_kernel(logits, out):
     """out[row] = (logits[row] - max) - log(sum(exp(logits[row] - max))) in float32; logits, out float32 [s, V]
     (out may be logits itself). Grid-stride over rows."""
@@ -130,7 +131,7 @@ def _keep_best(logits, row, first, stop, rounds, mine, mine_ids):
     return held
 
 
-@cuda.jit
+@kernel_cache.jit
 def topk_rows_kernel(logits, top_ids, top_values, margins):
     """logits float32 [s, V] -> top_ids int32 [s, k], top_values float32 [s, k] (ties -> lower id),
     margins float32 [s] = top1 - top2 (+inf when V == 1). k <= MAX_TOPK.
@@ -169,7 +170,7 @@ def _ranks_before(value, index, other_value, other_index):
     return value > other_value or (value == other_value and index < other_index)
 
 
-@cuda.jit
+@kernel_cache.jit
 def chunk_candidates_kernel(logits, chunk, cand_ids, cand_values):
     """First launch of the split top-k / argmax: block (row, c) keeps the best R = cand_ids.shape[2] entries of
     logits[row, c*chunk : (c+1)*chunk] in top-k order -> cand_ids int32 [s, C, R], cand_values float32
@@ -197,7 +198,7 @@ def chunk_candidates_kernel(logits, chunk, cand_ids, cand_values):
                 cand_values[row, c, r] = best
 
 
-@cuda.jit
+@kernel_cache.jit
 def merge_candidates_kernel(cand_ids, cand_values, top_ids, top_values, margins):
     """Second launch: per row, the best k of the C*R candidates -> top_ids int32 [s, k], top_values float32
     [s, k], margins float32 [s] (top1 - top2; +inf without a second entry). k = top_ids.shape[1] <= R;

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32, uint32
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array, check_array
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, row_blocks
 
@@ -47,7 +48,7 @@ def order_key(bits):
     return bits | uint32(SIGN_BIT)
 
 
-@cuda.jit
+@kernel_cache.jit
 def select_topk_kernel(values, bits, digits, top_ids, top_values, margins, cand_ids):
     """values float32 [s, V], bits its uint32 view; digits = id_digits(V) -> top_ids int32 [s, k],
     top_values float32 [s, k] (2 <= k = top_ids.shape[1] <= V; ties -> lower id), margins float32 [s] =

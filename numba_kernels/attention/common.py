@@ -15,6 +15,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint32
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array, is_device_array
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function
 
@@ -34,7 +35,7 @@ def key_visible(token, key, prefix_len, visibility):
     return (visibility[token, j >> 5] >> uint32(j & 31)) & uint32(1) != uint32(0)
 
 
-@cuda.jit
+@kernel_cache.jit
 def merge_splits_kernel(o_part, lse_part, splits, out):
     """out[i, h] = sum_j exp(lse_j - lse_max) o_part[j, i, h] / sum_j exp(lse_j - lse_max).
     Grid (row_blocks(s*h),), grid-stride over the s*h rows."""

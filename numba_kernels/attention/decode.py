@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.attention.common import (
     MAX_LATENT,
     MAX_WIDTH,
@@ -232,7 +233,7 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
             offset //= 2
         return value
 
-    @cuda.jit(fastmath=config.fastmath, **compile_options)
+    @kernel_cache.jit(fastmath=config.fastmath, **compile_options)
     def mla_attention_decode_kernel(q_lat, q_pe, cache, prefix_len, visibility, scale, keys_per_split, direct,
                                     out, o_part, lse_part):
         """q_lat float32 [s, h, c]; q_pe float32 [s, h, r]; cache float32 [t, c+r] C-contiguous (rows < P + s

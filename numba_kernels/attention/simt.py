@@ -34,6 +34,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 from numba import cuda, float32
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.attention.common import (
     FEW_TOKENS,
     MAX_LATENT,
@@ -250,7 +251,7 @@ def attention_kernel(config: TileConfig = DEFAULT_CONFIG):
 
     store_o_rows = static_for(OR, store_o_row)
 
-    @cuda.jit(fastmath=config.fastmath, **compile_options)
+    @kernel_cache.jit(fastmath=config.fastmath, **compile_options)
     def mla_attention_split_kernel(q_lat, q_pe, cache, prefix_len, visibility, scale, keys_per_split, direct,
                                    out, o_part, lse_part):
         """q_lat float32 [s, h, c]; q_pe float32 [s, h, r]; cache float32 [t, c+r] (one layer, rows < P + s

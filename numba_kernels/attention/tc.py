@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 from numba import cuda, float32, uint32
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.attention.common import checked_inputs, key_visible
 from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.launch import launch, stream_key
@@ -60,7 +61,7 @@ class AttentionTcConfig(NamedTuple):
 DEFAULT_CONFIG = AttentionTcConfig()
 
 
-@cuda.jit
+@kernel_cache.jit
 def concat_queries_kernel(q_lat, q_pe, q_cat):
     """q_cat float32 [s*h, c+r] = [q_lat | q_pe] per row; q_lat [s, h, c], q_pe [s, h, r] (strided views fine).
     Grid (row_blocks(s*h),), rows grid-stride, columns block-stride."""
@@ -72,7 +73,7 @@ def concat_queries_kernel(q_lat, q_pe, q_cat):
             q_cat[row, d] = q_lat[token, head, d] if d < latent else q_pe[token, head, d - latent]
 
 
-@cuda.jit
+@kernel_cache.jit
 def masked_softmax_kernel(scores, rows, keys, stride, heads, prefix_len, visibility):
     """scores float32 flat [R * stride] (row ρ = i*h + head: its t = keys scores at ρ * stride, already scaled)
     -> softmax over the keys query i sees (0 elsewhere; a NaN row where it sees none). visibility uint32
@@ -104,7 +105,7 @@ def masked_softmax_kernel(scores, rows, keys, stride, heads, prefix_len, visibil
                 at_put(scores, base + j, math.exp(at(scores, base + j) - row_max) * inv)
 
 
-@cuda.jit
+@kernel_cache.jit
 def merge_partials_kernel(partials, rows, parts, scales):
     """scales float32 flat [R * parts]: exp(M_p - m) / sum for each row's part p, from partials flat
     [R * parts * 2] of (M_p, sum of exp(score - M_p)) over the part's keys, m the row's max and sum the row's
@@ -133,7 +134,7 @@ def merge_partials_kernel(partials, rows, parts, scales):
                    else float32(0.0))
 
 
-@cuda.jit
+@kernel_cache.jit
 def sum_splits_kernel(parts, splits, size, out):
     """out flat [size] = sum over z (in order) of parts flat [splits * size]. Grid-stride, 1-D."""
     for e in range(cuda.grid(1), size, cuda.gridsize(1)):
@@ -143,7 +144,7 @@ def sum_splits_kernel(parts, splits, size, out):
         at_put(out, e, total)
 
 
-@cuda.jit
+@kernel_cache.jit
 def nan_blind_queries_kernel(visibility, tokens, out):
     """out float32 [s, h, c]: NaN for every query token whose visibility row sees none of the s in-flight rows
     (only possible when P = 0). The GEMMs cannot be trusted to carry a NaN row through (the H200's mma gave

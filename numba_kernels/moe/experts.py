@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array as as_device
 from kdspec.numba_kernels.host_arrays import check_array, output, weight_view
 from kdspec.numba_kernels.reductions import USE_SHUFFLE, WARP_SIZE
@@ -297,7 +298,7 @@ def reduce_tokens(acc, n_tokens, scratch):
 
 
 # --------------------------------------------------------------------------------------- kernels
-@cuda.jit
+@kernel_cache.jit
 def _plan_pairs(expert_ids, n_experts, expert_counts, expert_offsets, sorted_pairs, active_experts, n_active):
     """Counting sort of the pairs by expert; one block. expert_ids int32 [s, k] -> expert_offsets [e+1],
     sorted_pairs [P] (ascending within an expert), active_experts [min(e, P)] ascending, n_active [1].
@@ -451,7 +452,7 @@ def _make_gate_up(fmt: WordFormat, config: ExpertsConfig):
     scratch_threads = warps * SCRATCH_THREADS_PER_WARP
     dot_pass = _make_dot_pass(fmt, acc_rows, config.unroll, tokens_per_pass)
 
-    @cuda.jit(**_jit_options(config))
+    @kernel_cache.jit(**_jit_options(config))
     def gate_up(x, w_gate_up, n_words, f, k, expert_offsets, sorted_pairs, active_experts, n_active, act):
         """act[row, i] = silu(gate_i . x_t) * (up_i . x_t) for sorted row ``row`` (pair sorted_pairs[row],
         token t = pair // k). x: fp32 [s, d] as the word format reads it ([1, s, d] or uint64 [1, s, d/2]);
@@ -492,7 +493,7 @@ def _make_down(fmt: WordFormat, config: ExpertsConfig):
     scratch_threads = warps * SCRATCH_THREADS_PER_WARP
     dot_pass = _make_dot_pass(fmt, rows_per_warp, config.unroll, tokens_per_pass)
 
-    @cuda.jit(**_jit_options(config))
+    @kernel_cache.jit(**_jit_options(config))
     def down(act, w_down, n_words, expert_offsets, sorted_pairs, active_experts, n_active, pair_out):
         """pair_out[pair, j] = down_j . act[row] for sorted row ``row`` (pair = sorted_pairs[row]).
         act: fp32 [P, f] as the word format reads it; w_down [e, d, f] as the word format reads it (n_words
@@ -540,7 +541,7 @@ def expert_kernels(vec: int, config: ExpertsConfig):
     return _KERNELS[key]
 
 
-@cuda.jit
+@kernel_cache.jit
 def _combine_slots(pair_out, expert_ids, expert_weights, n_experts, accumulate, y):
     """y[t, j] = (y[t, j] if accumulate else 0) + sum_slot w[t, slot] * pair_out[t*k + slot, j], slots in
     order; slots with an out-of-range expert id add nothing. Grid: (ceil(d / threads), row_blocks(s)),

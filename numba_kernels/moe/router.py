@@ -18,6 +18,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array as as_device
 from kdspec.numba_kernels.host_arrays import check_array, weight_view
 from kdspec.numba_kernels.moe.experts import load_pair_bf16, load_pair_f32
@@ -104,7 +105,7 @@ def _store_score(j, logit, bias, has_bias, score, biased):
     biased[j] = value + bias[j] if has_bias else value
 
 
-@cuda.jit
+@kernel_cache.jit
 def _route_from_logits(logits, bias, has_bias, n_group, topk_group, norm, scale, expert_ids, expert_weights):
     """logits float32 [s, e]; bias float32 [e] (ignored unless has_bias) -> expert_ids int32 [s, k],
     expert_weights float32 [s, k]. Grid: row_blocks(s) blocks, grid-stride over tokens."""
@@ -124,7 +125,7 @@ def _route_from_logits(logits, bias, has_bias, n_group, topk_group, norm, scale,
 
 
 def _make_route_from_hidden(load_pair):
-    @cuda.jit
+    @kernel_cache.jit
     def route_from_hidden(x, gate_weight, bias, has_bias, n_group, topk_group, norm, scale, expert_ids,
                           expert_weights):
         """x float32 [s, d]; gate_weight [1, e, d] (see load_pair); then as _route_from_logits.

@@ -14,6 +14,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array as as_device
 from kdspec.numba_kernels.host_arrays import check_array, output, weight_view
 from kdspec.numba_kernels.moe.experts import ExpertPlan, grouped_swiglu, silu
@@ -22,7 +23,7 @@ from kdspec.numba_kernels.runtime import ON_SIMULATOR, row_blocks
 SILU_MUL_THREADS = 8 if ON_SIMULATOR else 256
 
 
-@cuda.jit
+@kernel_cache.jit
 def _silu_mul(gate_up, out):
     """out[t, i] = silu(gate_up[t, i]) * gate_up[t, F + i]. gate_up float32 [s, 2F]; out float32 [s, F].
     Grid: (ceil(F / threads), row_blocks(s)), grid-stride over tokens."""
@@ -47,7 +48,7 @@ def silu_mul(gate_up, *, out=None, stream=0):
     return out
 
 
-@cuda.jit
+@kernel_cache.jit
 def _dense_plan(expert_offsets, sorted_pairs, active_experts, n_active):
     """The plan of a dense FFN: one expert (0) holding every token in order. One block."""
     n_tokens = sorted_pairs.shape[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array as to_device
 from kdspec.numba_kernels.reductions import INT32_MAX, block_max
 from kdspec.numba_kernels.runtime import ON_SIMULATOR
@@ -16,7 +17,7 @@ from kdspec.numba_kernels.runtime import ON_SIMULATOR
 ACCEPT_THREADS = 4 if ON_SIMULATOR else 128
 
 
-@cuda.jit
+@kernel_cache.jit
 def accept_trees_kernel(parents, tokens, target_choice, num_nodes, accepted, tau, bonus):
     """parents, tokens, target_choice int [b, N+1] (node 0 the root, parents before children);
     num_nodes int [b]. Writes accepted int32 [b, L+1] (the path from node 0, padded -1), tau int32 [b]

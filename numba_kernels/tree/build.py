@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array as to_device
 from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.reductions import FULL_MASK, USE_SHUFFLE, WARP_SIZE
@@ -252,7 +253,7 @@ def make_build_kernel(scan_unroll: int = 4, stage_logprobs: bool = True, redux: 
                 slot = candidate
         return slot, top
 
-    @cuda.jit
+    @kernel_cache.jit
     def kernel(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget, trees, num_nodes, visibility):
         """One block (one warp on a GPU) per request: best-first build of at most B+1 nodes, then the outputs.
 

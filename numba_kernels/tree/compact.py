@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
+from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array as to_device
 from kdspec.numba_kernels.runtime import ON_SIMULATOR
 
@@ -17,7 +18,7 @@ MAX_ACCEPT = 32  # L + 1 <= 32 drafted positions per step
 COMPACT_THREADS = 4 if ON_SIMULATOR else 128
 
 
-@cuda.jit
+@kernel_cache.jit
 def compact_rows_kernel(cache, base_rows, accepted, tau):
     """cache float32 [layers, t, width], compacted in place; grid (layers, b).
 
