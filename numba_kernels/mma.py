@@ -598,6 +598,7 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
     # compiled now for the one signature the launcher passes, so that the opt-in below covers every launch
     kernel = kernel_cache.jit(fastmath=False, **options)(gemm_tf32x3)
     kernel.compile(signature)
+    kernel._specialized = True   # as cuda.jit(signature) leaves it
     kernel.disable_compile()
     _allow_dynamic_shared(kernel, config.shared_bytes(b_k_contiguous))
     return kernel
