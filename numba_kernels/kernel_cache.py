@@ -59,11 +59,12 @@ def _source_digest() -> str:
 
 
 def tree_digest(package: Path) -> str:
-    """sha256 (16 hex digits) of every .py file under ``package``, with the Python, numba and numba-cuda versions."""
+    """sha256 (16 hex digits) of every .py file under ``package``, with the Python, numba and numba-cuda versions
+    and numba's optimisation level (NUMBA_OPT)."""
     import numba
     import numba_cuda
 
-    digest = hashlib.sha256(f"{sys.version}|{numba.__version__}|{numba_cuda.__version__}".encode())
+    digest = hashlib.sha256(f"{sys.version}|{numba.__version__}|{numba_cuda.__version__}|{numba.config.OPT}".encode())
     for path in sorted(package.rglob("*.py")):
         digest.update(str(path.relative_to(package)).encode() + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).digest())
