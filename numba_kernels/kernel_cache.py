@@ -3,8 +3,9 @@
 Compiling the engine's kernels costs tens of seconds in every new process, most of it the 3xTF32 GEMM, the decode
 attention and the tree build (BENCHMARKS.md, "The recorder on the H200"). numba-cuda's own ``cache=True`` keys an
 entry by the kernel's bytecode and a pickle of its closure. That is not enough here: it misses the device functions
-and constants a kernel reads from other modules (an edit there would load a stale kernel), and it pickles numba
-intrinsics with a per-process id, so the kernels that use inline PTX would never hit. This cache:
+and constants a kernel reads from other modules (an edit there would load a stale kernel), and on the H200 it
+missed the GEMM, the decode attention and the tree build in every new process (their closures, full of intrinsics
+and unrolled device functions, evidently do not pickle to the same bytes twice). This cache:
 
 - lives in a directory named by a digest of every source file of this package and the Python, numba and
   numba-cuda versions, so that any edit to any kernel or helper starts an empty cache;
@@ -12,8 +13,10 @@ intrinsics with a per-process id, so the kernels that use inline PTX would never
   constants by value, functions, device functions and intrinsics by name, bytecode and their own closures,
   recursively. A kernel whose closure holds anything else is compiled every time, as before.
 
-``KDTREE_KERNEL_CACHE`` names the directory (default ``$XDG_CACHE_HOME/kdtree/kernels``, else
-``~/.cache/kdtree/kernels``); ``off`` turns the cache off. A directory that cannot be written turns it off too.
+``KDTREE_KERNEL_CACHE``: unset or ``off``, no cache (the default until the cache has been measured on a GPU: it
+was written in a session whose device time had run out); ``on``, the cache in ``$XDG_CACHE_HOME/kdtree/kernels``
+(else ``~/.cache/kdtree/kernels``); any other value, the cache in that directory. A directory that cannot be
+written, or an entry that cannot be read or written, means compiling as without a cache.
 
     @kernel_cache.jit                       # a lazily compiled kernel, as @cuda.jit
     kernel = cached(cuda.jit(**options)(fn)); kernel.compile(signature)   # instead of cuda.jit(signature)
@@ -42,14 +45,14 @@ class _Uncacheable(Exception):
 
 
 def cache_root() -> Path | None:
-    """The directory for this source tree's kernels, or None when the cache is off."""
-    setting = os.environ.get(ENV, "")
-    if setting.strip().lower() in ("off", "0", "false", "no"):
+    """The directory for this source tree's kernels, or None when the cache is off (module docstring)."""
+    setting = os.environ.get(ENV, "").strip()
+    if setting.lower() in ("", "off", "0", "false", "no"):
         return None
-    if setting:
-        base = Path(setting).expanduser()
-    else:
+    if setting.lower() in ("on", "1", "true", "yes"):
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kdtree" / "kernels"
+    else:
+        base = Path(setting).expanduser()
     return base / _source_digest()
 
 
@@ -156,7 +159,7 @@ def cached(kernel):
         return kernel
     try:
         kernel._cache = _cache_class()(kernel.py_func, root, description)
-    except OSError:   # the directory cannot be made or written: compile as before
+    except Exception:   # noqa: BLE001 - the directory cannot be made or written, ...: compile as without a cache
         pass
     return kernel
 
@@ -184,6 +187,19 @@ def _cache_class():
 
             self._impl_class = Impl
             super().__init__(py_func)
+
+        # An entry that cannot be read (damaged, another toolchain's) or written is compiled as without a cache.
+        def load_overload(self, sig, target_context):
+            try:
+                return super().load_overload(sig, target_context)
+            except Exception:   # noqa: BLE001
+                return None
+
+        def save_overload(self, sig, data):
+            try:
+                super().save_overload(sig, data)
+            except Exception:   # noqa: BLE001
+                pass
 
         def _index_key(self, sig, codegen):
             import numba_cuda

@@ -59,12 +59,14 @@ def test_a_closure_over_an_unknown_object_is_not_cached():
 
 
 def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(kernel_cache.ENV, raising=False)
+    assert kernel_cache.cache_root() is None          # off unless asked for
     monkeypatch.setenv(kernel_cache.ENV, "off")
     assert kernel_cache.cache_root() is None
     monkeypatch.setenv(kernel_cache.ENV, str(tmp_path))
     root = kernel_cache.cache_root()
     assert root.parent == tmp_path and len(root.name) == 16
-    monkeypatch.delenv(kernel_cache.ENV)
+    monkeypatch.setenv(kernel_cache.ENV, "on")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert kernel_cache.cache_root().parent == tmp_path / "xdg" / "kdtree" / "kernels"
 
