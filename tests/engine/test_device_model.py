@@ -190,3 +190,27 @@ def test_greedy_choice_keeps_the_top_k_the_record_reads():
     np.testing.assert_array_equal(chosen, [sampling_ref.choose_token(row, 0.0, 0, 0) for row in host])
     for ours, theirs in zip(records.target_topk(logits), records.target_topk(host)):
         np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
+def test_expert_stacks_hold_every_experts_weights_in_order(device_backend, weight_dtype):
+    """The routed experts go to the device block by block ([e, 2f, d] gate|up, [e, d, f] down): the same arrays a
+    host-side stack gives, in bf16 bits for bf16 weights."""
+    from kdspec.engine.device.model import DeviceModel
+    from kdspec.engine.model.config import PRESETS
+    from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
+    from kdspec.engine.model.weights import random_weights
+
+    cfg = PRESETS["tiny"]
+    weights = random_weights(cfg, 1)
+    model = DeviceModel(cfg, weights, device_backend, weight_dtype)
+    as_stored = float32_to_bf16_bits if weight_dtype == "bfloat16" else (lambda a: a)
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    assert moe_layers
+    for i in moe_layers:
+        w = lambda e, name: weights[f"model.layers.{i}.mlp.experts.{e}.{name}.weight"]  # noqa: E731
+        gate_up = np.stack([np.concatenate([w(e, "gate_proj"), w(e, "up_proj")]) for e in range(cfg.n_routed_experts)])
+        down = np.stack([w(e, "down_proj") for e in range(cfg.n_routed_experts)])
+        assert np.array_equal(model.layers[i]["experts_gate_up"].copy_to_host(), as_stored(gate_up))
+        assert np.array_equal(model.layers[i]["experts_down"].copy_to_host(), as_stored(down))
