@@ -5,6 +5,8 @@
 # it), and carry .train_data (python -m kdspec.engine.train.prepare --data-dir .train_data) for `train`:
 #
 #     bash tools/gpu_session.sh record-k2  # k2-mini --golden gpu: seconds to the first durable step, then check
+#     bash tools/gpu_session.sh profile-k2 # where those seconds go: phases and kernel compilation (twice: the
+#                                          # second process shows what KDTREE_KERNEL_CACHE, if set, saves)
 #     bash tools/gpu_session.sh train      # kdtree train drafter for pycoder-mini into $OUT/drafter
 #     bash tools/gpu_session.sh tests      # GPU tests of the device drafter, torch golden, sampling/tree, k2-mini
 #     bash tools/gpu_session.sh sample     # the pycoder-mini sample trace (dflash drafter, B=64, held-out prompt)
@@ -13,7 +15,7 @@
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|train|tests|sample|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|sample|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -51,6 +53,12 @@ record-k2)
     step k2-mini-check 60 "${kdtree[@]}" check "$OUT/k2-mini-sample.h5"
     grep -a "first durable step" "$log"
     ;;
+profile-k2)
+    for run in 1 2; do
+        step "profile-k2 run $run" 240 python3 -W ignore tools/first_step_profile.py
+    done
+    grep -a -E "^ +[0-9.]+ s|^kernels:" "$log"
+    ;;
 train)
     step train-drafter 560 "${kdtree[@]}" train drafter --model engine/model/presets/pycoder-mini --data .train_data ${TRAIN_ARGS:-} \
         --out "$OUT/drafter" --force
@@ -83,7 +91,7 @@ print(runner.format_table(spec.run(temperatures=t, budgets=tuple(int(x) for x in
     tail -n 60 "$log"
     ;;
 *)
-    echo "unknown group $group (record-k2, train, tests, tests-k2, sample, spec)" >&2
+    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, spec)" >&2
     exit 2
     ;;
 esac
