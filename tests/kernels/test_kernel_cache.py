@@ -46,7 +46,8 @@ def test_descriptions_differ_with_closure_constants_helpers_and_code():
     def other(x):
         return x + 1
     assert kernel_cache.describe(_factory(2.0, other)) != kernel_cache.describe(_factory(2.0, lambda x: x - 1))
-    assert kernel_cache.describe((np.float32(1), np.dtype(np.int64))) != kernel_cache.describe((np.float64(1), np.int64))
+    numpy_values = kernel_cache.describe((np.float32(1), np.dtype(np.int64)))
+    assert numpy_values != kernel_cache.describe((np.float64(1), np.int64))
 
 
 def test_a_closure_over_an_unknown_object_is_not_cached():
