@@ -27,6 +27,7 @@ from kdspec.engine.golden.sampling import check_temperature
 from kdspec.engine.model.checkpoint import load_model, model_directory, model_tokenizer
 from kdspec.engine.model.config import ModelConfig
 from kdspec.engine.model.drafter import DRAFTER_DIR, DrafterError, load_drafter
+from kdspec.engine.model.weights import SeededWeights, parameter_count
 
 BACKENDS = ("reference", "sim", "cuda", "auto")
 WEIGHT_DTYPES = ("float32", "bfloat16")
@@ -134,14 +135,16 @@ class Engine:
         second instead of seconds."""
         if self._reference is None:
             weights = self.weights
-            if 8 * sum(w.size for w in weights.values()) < _physical_memory() // 2:
+            if isinstance(weights, SeededWeights):
+                weights = weights.materialize()  # every tensor at once, in threads
+            if 8 * parameter_count(weights) < _physical_memory() // 2:
                 weights = {name: w.astype(np.float64) for name, w in weights.items()}
             self._reference = ReferenceModel(self.cfg, weights)
         return self._reference
 
     def golden_bytes(self) -> int:
         """The golden's float64 weights: 8 bytes a parameter."""
-        return 8 * sum(int(w.size) for w in self.weights.values())
+        return 8 * parameter_count(self.weights)
 
     def plan_golden(self, choice: str = "auto") -> GoldenPlan:
         """Where the golden runs for ``choice`` (GOLDENS). "gpu" raises BackendUnavailable without torch + CUDA.

@@ -22,7 +22,7 @@ from kdspec.engine.device.ops import SimOps, TorchOps
 from kdspec.engine.golden.model import check_hidden_layers, rope_cos_sin, split_kv_b
 from kdspec.engine.model.config import ModelConfig
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
-from kdspec.engine.model.weights import check_weights
+from kdspec.engine.model.weights import SeededWeights, check_weights
 from kdspec.numba_kernels import embedding, kv_write, rmsnorm, rope
 from kdspec.numba_kernels.attention.common import causal_visibility, pack_visibility
 from kdspec.numba_kernels.attention.dispatch import mla_attention
@@ -51,23 +51,28 @@ class DeviceModel:
         self.ops = SimOps() if backend == "sim" else TorchOps(weight_dtype)
         self.max_cache_rows = cfg.max_position_embeddings
         ops, bf16 = self.ops, weight_dtype == "bfloat16"
+        # A seeded preset on cuda is drawn on the GPU, tensor by tensor (the host's bits, no host copy and no
+        # upload: seconds for k2-mini); anything else is read on the host and copied.
+        self._drawn = backend == "cuda" and isinstance(weights, SeededWeights)
+        weight = (lambda name: weights.draw(ops.torch, name)) if self._drawn else weights.__getitem__
         cos, sin = rope_cos_sin(cfg, np.arange(cfg.max_position_embeddings, dtype=np.int64))
         self.rope = rope.RopeTable(ops.upload(cos.astype(np.float32)), ops.upload(sin.astype(np.float32)))
-        table = weights["model.embed_tokens.weight"]
-        self.embed = ops.upload(float32_to_bf16_bits(table) if bf16 else table)
-        self.final_norm = ops.upload(weights["model.norm.weight"])
-        self.lm_head = ops.dense_weight(weights["model.embed_tokens.weight" if cfg.tie_word_embeddings
-                                                else "lm_head.weight"])
-        self.layers = [self._load_layer(weights, i) for i in range(cfg.num_hidden_layers)]
+        self.embed = ops.upload(weight("model.embed_tokens.weight"), bf16)
+        self.final_norm = ops.upload(weight("model.norm.weight"))
+        self.lm_head = ops.dense_weight(weight("model.embed_tokens.weight" if cfg.tie_word_embeddings
+                                               else "lm_head.weight"))
+        self.layers = [self._load_layer(weight, i) for i in range(cfg.num_hidden_layers)]
         self.use_graphs = backend == "cuda" and graphs
         self._graphs, self._shapes_seen = {}, {}
         self._causal_masks = {}  # s -> device mask; an AR step must not pay an upload (alloc + synced copy)
         self.hidden_layers: tuple[int, ...] = ()  # hidden states the current cache keeps (new_cache)
 
-    def _load_layer(self, weights, i: int) -> dict:
+    def _load_layer(self, weight, i: int) -> dict:
+        """Layer ``i``'s device weights; ``weight(name)`` gives a tensor (host array, or torch tensor on the GPU)."""
         cfg, ops = self.cfg, self.ops
         p = f"model.layers.{i}."
-        w = lambda name: weights[p + name]  # noqa: E731
+        w = lambda name: weight(p + name)  # noqa: E731
+        cat = ops.torch.cat if self._drawn else np.concatenate
         layer = dict(input_norm=ops.upload(w("input_layernorm.weight")),
                      post_norm=ops.upload(w("post_attention_layernorm.weight")),
                      kv_a=ops.dense_weight(w("self_attn.kv_a_proj_with_mqa.weight")),
@@ -79,39 +84,48 @@ class DeviceModel:
             layer["q_a"] = ops.dense_weight(w("self_attn.q_a_proj.weight"))
             layer["q_norm"] = ops.upload(w("self_attn.q_a_layernorm.weight"))
             layer["q_b"] = ops.dense_weight(w("self_attn.q_b_proj.weight"))
-        w_uk, w_uv = split_kv_b(cfg, w("self_attn.kv_b_proj.weight"))  # [h, n, c], [h, v, c]
-        layer["w_uk"] = ops.dense_weight(np.asarray(w_uk, dtype=np.float32))
-        layer["w_uv"] = ops.dense_weight(np.asarray(w_uv, dtype=np.float32))
+        w_uk, w_uv = split_kv_b(cfg, w("self_attn.kv_b_proj.weight"))  # [h, n, c], [h, v, c] float64, exact
+        layer["w_uk"] = ops.dense_weight(w_uk if self._drawn else np.asarray(w_uk, dtype=np.float32))
+        layer["w_uv"] = ops.dense_weight(w_uv if self._drawn else np.asarray(w_uv, dtype=np.float32))
         if cfg.is_moe_layer(i):
-            blocks = lambda names: [[w(f"mlp.experts.{e}.{n}.weight") for n in names]  # noqa: E731
-                                    for e in range(cfg.n_routed_experts)]
-            layer["experts_gate_up"] = self._upload_stacked(blocks(("gate_proj", "up_proj")))  # [e, 2f, d]
-            layer["experts_down"] = self._upload_stacked(blocks(("down_proj",)))  # [e, d, f]
+            names = lambda parts: [[f"{p}mlp.experts.{e}.{n}.weight" for n in parts]  # noqa: E731
+                                   for e in range(cfg.n_routed_experts)]
+            layer["experts_gate_up"] = self._upload_stacked(weight, names(("gate_proj", "up_proj")))  # [e, 2f, d]
+            layer["experts_down"] = self._upload_stacked(weight, names(("down_proj",)))  # [e, d, f]
             layer["router"] = ops.dense_weight(w("mlp.gate.weight"))
             layer["router_bias"] = ops.upload(w("mlp.gate.e_score_correction_bias"))
             if cfg.n_shared_experts:
-                layer["ffn_gate_up"] = ops.dense_weight(np.concatenate([w("mlp.shared_experts.gate_proj.weight"),
-                                                                        w("mlp.shared_experts.up_proj.weight")]))
+                layer["ffn_gate_up"] = ops.dense_weight(cat([w("mlp.shared_experts.gate_proj.weight"),
+                                                             w("mlp.shared_experts.up_proj.weight")]))
                 layer["ffn_down"] = ops.dense_weight(w("mlp.shared_experts.down_proj.weight"))
         else:
-            layer["ffn_gate_up"] = ops.dense_weight(np.concatenate([w("mlp.gate_proj.weight"),
-                                                                    w("mlp.up_proj.weight")]))
+            layer["ffn_gate_up"] = ops.dense_weight(cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
             layer["ffn_down"] = ops.dense_weight(w("mlp.down_proj.weight"))
         return layer
 
-    def _upload_stacked(self, blocks: list[list[np.ndarray]]):
-        """Device [e, rows, cols] (float32, or bf16 bits as uint16) from each expert's row blocks ([rows_i, cols],
-        stacked along rows), copied block by block: no host copy of the whole stack (17 GB on k2-mini)."""
+    def _upload_stacked(self, weight, names: list[list[str]]):
+        """Device [e, rows, cols] (float32, or bf16 bits as uint16) from each expert's row blocks ``names[e]``
+        ([rows_i, cols] each, stacked along rows), read (or drawn) and copied block by block: no copy of the whole
+        stack anywhere else (17 GB on k2-mini)."""
         bf16 = self.weight_dtype == "bfloat16"
-        rows, cols = sum(block.shape[0] for block in blocks[0]), blocks[0][0].shape[1]
-        out = cuda.device_array((len(blocks), rows, cols), np.uint16 if bf16 else np.float32)
-        for e, expert in enumerate(blocks):
+        first = [weight(name) for name in names[0]]
+        rows, cols = sum(block.shape[0] for block in first), first[0].shape[1]
+        if self._drawn:
+            torch = self.ops.torch
+            out = torch.empty((len(names), rows, cols), dtype=torch.bfloat16 if bf16 else torch.float32,
+                              device="cuda")
+        else:
+            out = cuda.device_array((len(names), rows, cols), np.uint16 if bf16 else np.float32)
+        for e, expert in enumerate(names):
             start = 0
-            for block in expert:
-                host = float32_to_bf16_bits(block) if bf16 else np.ascontiguousarray(block, dtype=np.float32)
-                out[e, start:start + block.shape[0]].copy_to_device(host)
+            for block in first if e == 0 else map(weight, expert):
+                if self._drawn:
+                    out[e, start:start + block.shape[0]] = block  # torch rounds to bf16 to nearest even
+                else:
+                    host = float32_to_bf16_bits(block) if bf16 else np.ascontiguousarray(block, dtype=np.float32)
+                    out[e, start:start + block.shape[0]].copy_to_device(host)
                 start += block.shape[0]
-        return out
+        return self.ops.device_view(out) if self._drawn else out
 
     # -- model protocol ------------------------------------------------------------------------------
     def new_cache(self, capacity: int, hidden_layers: tuple[int, ...] = ()) -> DeviceCache:

@@ -2,13 +2,16 @@
 
 SimOps (backend ``sim``): simulator device arrays, dense products in numpy float32 BLAS on host copies.
 TorchOps (backend ``cuda``): dense products through cuBLAS (torch); Numba kernels share torch's stream.
-Both: upload(a), dense_weight(w), linear(x [s, in], w [out, in]) -> [s, out], heads_matmul(x [s, h, a], w) ->
-[s, h, b], to_host(x); TorchOps also copy(x) and the graph machinery (segment_graphs).
+Both: upload(a, bf16), dense_weight(w), linear(x [s, in], w [out, in]) -> [s, out], heads_matmul(x [s, h, a],
+w) -> [s, h, b], to_host(x); TorchOps also copy(x), device_view(t) and the graph machinery (segment_graphs).
+TorchOps' upload and dense_weight also take float32 torch tensors already on the GPU (weights drawn there).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda
+
+from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 
 
 class SimOps:
@@ -16,8 +19,9 @@ class SimOps:
 
     name = "sim"
 
-    def upload(self, a: np.ndarray):
-        return cuda.to_device(np.ascontiguousarray(a))
+    def upload(self, a: np.ndarray, bf16: bool = False):
+        """A device copy of host array ``a`` (bf16: as uint16 bf16 bit patterns, the kernels' bf16 storage)."""
+        return cuda.to_device(float32_to_bf16_bits(a) if bf16 else np.ascontiguousarray(a))
 
     def dense_weight(self, w: np.ndarray):
         return np.ascontiguousarray(w, dtype=np.float32)
@@ -64,10 +68,24 @@ class TorchOps:
         cuda_graphs.use_torch_allocator()  # graph capture needs it; eager launches allocate faster too
         self.segment_graphs = cuda_graphs.SegmentGraphs
 
-    def upload(self, a: np.ndarray):
-        return cuda.to_device(np.ascontiguousarray(a))
+    def upload(self, a, bf16: bool = False):
+        """A Numba device array of ``a``: a host array copied, a torch tensor on the GPU viewed (bf16: uint16 bf16
+        bit patterns, the kernels' bf16 storage, rounded to nearest even either way)."""
+        if isinstance(a, self.torch.Tensor):
+            return self.device_view(a.to(self.torch.bfloat16) if bf16 else a.contiguous())
+        return cuda.to_device(float32_to_bf16_bits(a) if bf16 else np.ascontiguousarray(a))
 
-    def dense_weight(self, w: np.ndarray):
+    def device_view(self, t):
+        """A Numba view of contiguous torch tensor ``t`` (bf16 as its uint16 bit patterns)."""
+        if t.dtype == self.torch.bfloat16:
+            bits = t.view(self.torch.int16)
+            interface = {**bits.__cuda_array_interface__, "typestr": "<u2", "stream": None}
+            return cuda.from_cuda_array_interface(interface, owner=bits, sync=False)
+        return self._numba(t)
+
+    def dense_weight(self, w):
+        if isinstance(w, self.torch.Tensor):
+            return w.to("cuda", self.weight_dtype).contiguous()
         return self.torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to("cuda", self.weight_dtype)
 
     def _t(self, x):

@@ -28,7 +28,7 @@ from kdspec.engine.golden.layers import (
 )
 from kdspec.engine.golden.sampling import choose_token
 from kdspec.engine.model.config import ModelConfig
-from kdspec.engine.model.weights import check_weights
+from kdspec.engine.model.weights import SeededWeights, check_weights
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -85,11 +85,19 @@ class ReferenceModel:
         check_weights(cfg, weights)
         self.xp = np if device is None else TorchNumpy.of(device)
         if device is not None:
-            weights = {name: self.xp.asarray(w, dtype=self.xp.float64) for name, w in weights.items()}
+            weights = {name: self._widened(weights, name) for name in weights}
         self.cfg, self.weights, self.absorbed, self.device = cfg, weights, absorbed, device
         self.layers = [layer_weights(weights, i) for i in range(cfg.num_hidden_layers)]
         self.kv_b = [split_kv_b(cfg, lw["self_attn.kv_b_proj.weight"]) for lw in self.layers]  # (W_UK, W_UV)
         self.lm_head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+
+    def _widened(self, weights, name: str):
+        """Tensor ``name`` as float64 on this model's torch device: a seeded preset's drawn there (the same bits
+        as on the host, without the host copy), a checkpoint's copied."""
+        xp = self.xp
+        if isinstance(weights, SeededWeights):
+            return weights.draw(xp.torch, name, xp.device).to(xp.float64)
+        return xp.asarray(weights[name], dtype=xp.float64)
 
     def new_cache(self, capacity: int, hidden_layers: tuple[int, ...] = ()) -> ReferenceCache:
         if not isinstance(capacity, (int, np.integer)) or capacity < 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Optional
 
@@ -25,7 +26,7 @@ from kdspec.engine.model.safetensors_io import (
     save_file,
 )
 from kdspec.engine.model.tokenizer import tokenizer_for
-from kdspec.engine.model.weights import WeightError, check_weights, random_weights
+from kdspec.engine.model.weights import SeededWeights, WeightError, check_weights
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -334,15 +335,15 @@ def _dequantize(name: str, codes: np.ndarray, scale_inv: np.ndarray, block: tupl
     return dequantize_fp8_blocks(codes, scale_inv, block)
 
 
-def load_model(model: str | Path, seed: int = 0) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """A preset name (seeded random weights), a shipped model's name or a checkpoint directory -> (config, float32
-    weights by HF name).
+def load_model(model: str | Path, seed: int = 0) -> tuple[ModelConfig, Mapping[str, np.ndarray]]:
+    """A preset name (seeded random weights: a SeededWeights, each tensor drawn when first used), a shipped
+    model's name or a checkpoint directory -> (config, float32 weights by HF name).
 
     Weights read from F32 files are read-only views of the memory-mapped file (copy before writing in place).
     """
     if isinstance(model, str) and model in PRESETS:
         cfg = PRESETS[model]
-        return cfg, random_weights(cfg, seed)
+        return cfg, SeededWeights(cfg, seed)
     directory = _checkpoint_dir(model)
     cfg = ModelConfig.from_json_file(directory / CONFIG_FILE)
     files: dict[str, SafetensorsFile] = {}

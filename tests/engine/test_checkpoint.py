@@ -685,22 +685,3 @@ def test_random_weights_in_threads_equal_one_thread(workers):
     assert all(np.array_equal(one[k], many[k]) and one[k].dtype == many[k].dtype for k in one)
     name = [k for k in one if ".experts.3.up_proj" in k][0]   # and each equals its own generator's draw
     assert np.array_equal(many[name], random_tensor(name, many[name].shape, 5))
-
-
-def test_big_tensors_are_drawn_in_row_chunks_of_their_own_streams(monkeypatch):
-    """Past CHUNK_ELEMENTS a tensor is drawn in row chunks, one generator each, so one big tensor spreads over
-    the workers: the values do not depend on the workers, random_tensor regenerates it alone, the chunks are
-    not copies of one stream, and the distribution is kept (embedding ~ N(0, 1))."""
-    from kdspec.engine.model import weights as W
-    monkeypatch.setattr(W, "CHUNK_ELEMENTS", 1000)
-    cfg = PRESETS["small"]
-    one, many = W.random_weights(cfg, 5, workers=1), W.random_weights(cfg, 5, workers=4)
-    embed = "model.embed_tokens.weight"   # [300, 48]: 20 rows a chunk, 15 chunks
-    assert len(W._row_chunks(one[embed].shape)) == 15
-    assert all(np.array_equal(one[k], many[k]) for k in one)
-    assert np.array_equal(many[embed], W.random_tensor(embed, one[embed].shape, 5))
-    chunks = one[embed].reshape(15, 20 * 48)
-    assert not any(np.array_equal(chunks[0], chunks[i]) for i in range(1, 15))
-    assert abs(float(one[embed].std()) - 1.0) < 0.05
-    monkeypatch.setattr(W, "CHUNK_ELEMENTS", 1 << 24)   # below it: one stream, the values as before chunking
-    assert not np.array_equal(W.random_weights(cfg, 5, workers=1)[embed], one[embed])

@@ -214,3 +214,35 @@ def test_expert_stacks_hold_every_experts_weights_in_order(device_backend, weigh
         down = np.stack([w(e, "down_proj") for e in range(cfg.n_routed_experts)])
         assert np.array_equal(model.layers[i]["experts_gate_up"].copy_to_host(), as_stored(gate_up))
         assert np.array_equal(model.layers[i]["experts_down"].copy_to_host(), as_stored(down))
+
+
+def _on_host(x) -> np.ndarray:
+    """A device weight (Numba array, or torch tensor: bf16 widened exactly) as a host array."""
+    return x.copy_to_host() if hasattr(x, "copy_to_host") else x.float().cpu().numpy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_weights_drawn_on_the_gpu_build_the_model_the_host_weights_build(preset, weight_dtype):
+    """A seeded preset on cuda is drawn on the GPU (SeededWeights): every device weight, and the logits of a
+    prefill and a step, equal those of the model built from the host's draw, bit for bit."""
+    from kdspec.engine.device.model import DeviceModel
+    from kdspec.engine.model.config import PRESETS
+    from kdspec.engine.model.weights import SeededWeights, random_weights
+
+    cfg = PRESETS[preset]
+    seeded = SeededWeights(cfg, 3)
+    drawn = DeviceModel(cfg, seeded, "cuda", weight_dtype, graphs=False)
+    copied = DeviceModel(cfg, random_weights(cfg, 3), "cuda", weight_dtype, graphs=False)
+    assert drawn._drawn and not copied._drawn and not seeded._host
+    for attribute in ("embed", "final_norm", "lm_head"):
+        assert np.array_equal(_on_host(getattr(drawn, attribute)), _on_host(getattr(copied, attribute))), attribute
+    for i, (ours, theirs) in enumerate(zip(drawn.layers, copied.layers)):
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            assert np.array_equal(_on_host(ours[key]), _on_host(theirs[key])), (i, key)
+    prompt = np.arange(7) * 13 % cfg.vocab_size
+    caches = [model.new_cache(16) for model in (drawn, copied)]
+    logits = [np.asarray(model.forward(cache, prompt, np.arange(7))) for model, cache in zip((drawn, copied), caches)]
+    assert np.array_equal(*logits)

@@ -112,7 +112,7 @@ def test_argmax_ties_go_to_the_lowest_token_on_torch():
     cfg = PRESETS["tiny"]
     weights = dict(random_weights(cfg, seed=3))
     head = np.zeros_like(weights["lm_head.weight"])
-    head[10] = head[20] = np.random.default_rng(4).standard_normal(cfg.hidden_size)
+    head[10] = head[20] = np.random.default_rng(8).standard_normal(cfg.hidden_size)  # meets both kinds of tie
     weights["lm_head.weight"] = head
     run = R.decode(R.ReferenceModel(cfg, weights, device="cpu"), np.array([1, 2, 3]), 24)
     np.testing.assert_array_equal(run.logits[:, 10], run.logits[:, 20])
@@ -126,3 +126,20 @@ def test_engine_golden_on_a_torch_device_equals_the_numpy_golden():
     got = engine.golden("abc", 12, device="cpu")
     np.testing.assert_array_equal(got.tokens, want.tokens)
     assert np.abs(got.logits - want.logits).max() <= TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_weights_drawn_on_the_device_equal_the_host_copy(device):
+    """A preset's golden on torch draws its weights on the device (no host copy): the same float64 tensors as
+    widening the host's draw."""
+    from kdspec.engine.model.weights import SeededWeights
+
+    cfg = PRESETS["small"]
+    seeded = SeededWeights(cfg, 9)
+    drawn = R.ReferenceModel(cfg, seeded, device=device)
+    assert not seeded._host  # nothing drawn on the host
+    copied = R.ReferenceModel(cfg, random_weights(cfg, 9), device=device)
+    assert drawn.weights.keys() == copied.weights.keys()
+    for name, tensor in drawn.weights.items():
+        assert tensor.device.type == device and tensor.dtype == torch.float64
+        assert torch.equal(tensor, copied.weights[name]), name
