@@ -14,10 +14,11 @@ from kdspec.traces.thresholds import DLOGIT, PRECISION_THRESHOLDS, thresholds_fo
 @pytest.fixture(scope="module")
 def bf16_trace(tmp_path_factory):
     """tiny on the simulator with bf16 weights and a noisy drafter: a real recording whose logits carry bf16's
-    rounding (tens of millis per logit) yet equal the golden's tokens."""
+    rounding (tens of millis per logit) yet equal the golden's tokens. Seed 1: with seed 0's weights bf16
+    rounding flips a near-tie at the second step, and a diverged run is flagged for what it is."""
     out = tmp_path_factory.mktemp("bf16") / "bf16.h5"
     assert cli.main(["record", "--backend", "sim", "--weight-dtype", "bfloat16", "--drafter", "noisy:0.7",
-                     "--max-new-tokens", "32", "--out", str(out)]) == 0
+                     "--max-new-tokens", "32", "--seed", "1", "--out", str(out)]) == 0
     return out
 
 
