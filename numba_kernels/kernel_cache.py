@@ -181,6 +181,7 @@ def _cache_class():
     class KernelCache(CUDACache):
         def __init__(self, py_func, root: Path, description: str):
             self._kdtree_key = hashlib.sha256(description.encode()).hexdigest()
+            self.errors: list[str] = []   # why an entry could not be read or written (tools/first_step_profile.py)
 
             class Impl(CUDACacheImpl):
                 _locator_classes = [_LocatorFactory(Locator, root)]
@@ -192,14 +193,15 @@ def _cache_class():
         def load_overload(self, sig, target_context):
             try:
                 return super().load_overload(sig, target_context)
-            except Exception:   # noqa: BLE001
+            except Exception as error:   # noqa: BLE001
+                self.errors.append(f"load: {type(error).__name__}: {error}")
                 return None
 
         def save_overload(self, sig, data):
             try:
                 super().save_overload(sig, data)
-            except Exception:   # noqa: BLE001
-                pass
+            except Exception as error:   # noqa: BLE001
+                self.errors.append(f"save: {type(error).__name__}: {error}")
 
         def _index_key(self, sig, codegen):
             import numba_cuda

@@ -43,16 +43,19 @@ def stream_key(stream) -> int:
 class Launcher:
     """Launches of one compiled kernel; see the module docstring."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, overload=None):
+        """``overload``: the compiled kernel to launch (``kernel.compile(signature)``); omitted, the kernel's
+        one compiled overload."""
         self.kernel = kernel
         if ON_SIMULATOR:
             return
-        if len(kernel.overloads) != 1:
-            raise ValueError(f"Launcher needs a kernel compiled for one signature, got {len(kernel.overloads)}")
+        if overload is None:
+            if len(kernel.overloads) != 1:
+                raise ValueError(f"Launcher needs a kernel compiled for one signature, got {len(kernel.overloads)}")
+            overload = next(iter(kernel.overloads.values()))
         from cuda.bindings import driver
         from numba.cuda import types
         self._driver = driver
-        overload = next(iter(kernel.overloads.values()))
         self._handle = overload._codelibrary.get_cufunc().handle  # a CUkernel: cuLaunchKernel takes it as is
         self._kinds = []  # per parameter: ("array", ndim, numpy dtype, needs C order) / ("int",) / ("scalar",)
         formats = []  # struct format of each 8-byte parameter slot
@@ -127,7 +130,7 @@ def launcher_for(kernel) -> Launcher:
     return launcher
 
 
-_SPECIALIZED: dict = {}  # (id(kernel), argument type keys) -> (kernel, Launcher of its specialization)
+_SPECIALIZED: dict = {}  # (id(kernel), argument type keys) -> (kernel, Launcher of its overload for those types)
 
 
 def _type_key(value):
@@ -143,14 +146,18 @@ def _type_key(value):
 
 def launch(kernel, grid, block, stream, *args, shared_bytes: int = 0) -> None:
     """kernel[grid, block, stream, shared_bytes](*args) for a lazily compiled Numba kernel, through a Launcher
-    of the overload Numba compiles for these argument types (kernel.specialize, once per type combination):
-    2-3x less host time a launch. Host arrays among the arguments (or the simulator) take Numba's launch."""
+    of the overload the kernel compiles for these argument types (once per type combination): 2-3x less host
+    time a launch. Host arrays among the arguments (or the simulator) take Numba's launch.
+
+    The overload is compiled by the kernel itself, not by ``kernel.specialize``: a specialization is a new
+    dispatcher without the kernel's disk cache (kernel_cache), so it would compile in every process."""
     if not ON_SIMULATOR:
         keys = tuple(_type_key(value) for value in args)
         if None not in keys:
             entry = _SPECIALIZED.get((id(kernel),) + keys)
             if entry is None or entry[0] is not kernel:
-                entry = _SPECIALIZED[(id(kernel),) + keys] = (kernel, Launcher(kernel.specialize(*args)))
+                overload = kernel.compile(tuple(kernel.typeof_pyval(value) for value in args))
+                entry = _SPECIALIZED[(id(kernel),) + keys] = (kernel, Launcher(kernel, overload))
             entry[1](grid, block, stream, shared_bytes, *args)
             return
     kernel[grid, block, stream, shared_bytes](*args)

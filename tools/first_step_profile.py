@@ -24,22 +24,33 @@ class Phases:
         self.last = now
 
 
-def time_kernel_builds() -> collections.Counter:
-    """Seconds per kernel spent compiling ("compile NAME", outermost calls only) and linking ("link NAME")."""
+def time_kernel_builds() -> tuple[collections.Counter, dict]:
+    """Seconds per kernel spent compiling ("compile NAME", outermost calls only) and linking ("link NAME"), and
+    per compiled kernel what the kernel cache did: "hit", "miss" or "no cache", and why an entry could not be
+    read or written."""
     from numba.cuda import codegen, dispatcher
 
-    seconds, depth = collections.Counter(), [0]
+    seconds, depth, outcomes = collections.Counter(), [0], {}
     compile_kernel, link = dispatcher.CUDADispatcher.compile, codegen.CUDACodeLibrary.get_cufunc
 
     def timed_compile(self, sig):
         started = time.perf_counter()
         depth[0] += 1
+        hits, misses = sum(self._cache_hits.values()), sum(self._cache_misses.values())
         try:
             return compile_kernel(self, sig)
         finally:
             depth[0] -= 1
+            name = f"compile {self.py_func.__qualname__}"
             if depth[0] == 0:
-                seconds[f"compile {self.py_func.__qualname__}"] += time.perf_counter() - started
+                seconds[name] += time.perf_counter() - started
+            if not hasattr(self._cache, "errors"):
+                outcome = "no cache"
+            elif sum(self._cache_hits.values()) > hits:
+                outcome = "hit"
+            else:
+                outcome = "miss" if sum(self._cache_misses.values()) > misses else "in memory"
+            outcomes.setdefault(name, []).append(" ".join([outcome, *getattr(self._cache, "errors", [])]))
 
     def timed_link(self):
         started = time.perf_counter()
@@ -49,7 +60,7 @@ def time_kernel_builds() -> collections.Counter:
             seconds[f"link {self.name}"] += time.perf_counter() - started
 
     dispatcher.CUDADispatcher.compile, codegen.CUDACodeLibrary.get_cufunc = timed_compile, timed_link
-    return seconds
+    return seconds, outcomes
 
 
 def main() -> None:
@@ -63,7 +74,7 @@ def main() -> None:
     from kdspec.engine.decode.config import DecodeConfig
     from kdspec.engine.device.model import DeviceModel
     from kdspec.engine.model.checkpoint import load_model
-    kernel_seconds = time_kernel_builds()
+    kernel_seconds, cache_outcomes = time_kernel_builds()
     phases.done("imports")
     cfg, weights = load_model(args.model, 0)
     phases.done("weights")
@@ -86,7 +97,8 @@ def main() -> None:
     print(f"kernels: {sum(v for k, v in kernel_seconds.items() if k.startswith('compile')):.1f} s compiling, "
           f"{sum(v for k, v in kernel_seconds.items() if k.startswith('link')):.1f} s linking")
     for name, seconds in kernel_seconds.most_common(30):
-        print(f"  {seconds:6.2f} s  {name}")
+        outcomes = collections.Counter(cache_outcomes.get(name, []))
+        print(f"  {seconds:6.2f} s  {name}  [{', '.join(f'{n} x {o}' for o, n in outcomes.items())}]")
 
 
 if __name__ == "__main__":

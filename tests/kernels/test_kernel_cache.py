@@ -99,6 +99,7 @@ _GPU_SCRIPT = textwrap.dedent("""
     import numpy as np
     from numba import cuda
     from kdspec.numba_kernels import kernel_cache
+    from kdspec.numba_kernels.launch import launch
 
     def make(scale):
         def scaled(x, out):
@@ -110,7 +111,7 @@ _GPU_SCRIPT = textwrap.dedent("""
     kernel = kernel_cache.jit(make(np.float32(3.0)))
     x = np.arange(1000, dtype=np.float32)
     out = cuda.device_array_like(x)
-    kernel[4, 256](cuda.to_device(x), out)
+    launch(kernel, 4, 256, 0, cuda.to_device(x), out)   # as the engine launches (not kernel.specialize's copy)
     assert np.array_equal(out.copy_to_host(), x * np.float32(3.0))
     print(type(kernel._cache).__name__, sum(kernel._cache_hits.values()), sum(kernel._cache_misses.values()))
 """)
@@ -118,8 +119,10 @@ _GPU_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.gpu
 def test_a_second_process_loads_the_kernel_from_disk(tmp_path):
-    env = {**os.environ, kernel_cache.ENV: str(tmp_path)}
-    run = lambda: subprocess.run([sys.executable, "-c", _GPU_SCRIPT], capture_output=True, text=True,  # noqa: E731
+    env = {**os.environ, kernel_cache.ENV: str(tmp_path / "cache")}
+    script = tmp_path / "scaled.py"   # a file: the cache's index is stamped with its source file's mtime and size
+    script.write_text(_GPU_SCRIPT)
+    run = lambda: subprocess.run([sys.executable, str(script)], capture_output=True, text=True,  # noqa: E731
                                  env=env, check=True).stdout.split()
     assert run() == ["KernelCache", "0", "1"]    # compiled, and saved
     assert run() == ["KernelCache", "1", "0"]    # loaded, and it computes the same
