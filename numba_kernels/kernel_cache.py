@@ -13,10 +13,11 @@ and unrolled device functions, evidently do not pickle to the same bytes twice).
   constants by value, functions, device functions and intrinsics by name, bytecode and their own closures,
   recursively. A kernel whose closure holds anything else is compiled every time, as before.
 
-``KDTREE_KERNEL_CACHE``: unset or ``off``, no cache (the default until the cache has been measured on a GPU: it
-was written in a session whose device time had run out); ``on``, the cache in ``$XDG_CACHE_HOME/kdtree/kernels``
-(else ``~/.cache/kdtree/kernels``); any other value, the cache in that directory. A directory that cannot be
-written, or an entry that cannot be read or written, means compiling as without a cache.
+``KDTREE_KERNEL_CACHE``: unset or ``on``, the cache in ``$XDG_CACHE_HOME/kdtree/kernels`` (else
+``~/.cache/kdtree/kernels``); ``off``, no cache; any other value, the cache in that directory. A directory that
+cannot be written, or an entry that cannot be read or written, means compiling as without a cache. Each source
+tree's digest gets its own folder; when a new one is made, all but the most recently used KEEP_TREES - 1 of the
+others are removed, so that editing kernels does not fill the disk.
 
     @kernel_cache.jit                       # a lazily compiled kernel, as @cuda.jit
     kernel = cached(cuda.jit(**options)(fn)); kernel.compile(signature)   # instead of cuda.jit(signature)
@@ -28,6 +29,8 @@ import enum
 import functools
 import hashlib
 import os
+import re
+import shutil
 import sys
 import types as pytypes
 from pathlib import Path
@@ -37,6 +40,8 @@ import numpy as np
 from kdspec.numba_kernels.runtime import ON_SIMULATOR
 
 ENV = "KDTREE_KERNEL_CACHE"
+KEEP_TREES = 4              # source trees whose kernels are kept (module docstring)
+_DIGEST_NAME = re.compile(r"[0-9a-f]{16}")
 _MAX_DEPTH = 1000
 
 
@@ -47,13 +52,26 @@ class _Uncacheable(Exception):
 def cache_root() -> Path | None:
     """The directory for this source tree's kernels, or None when the cache is off (module docstring)."""
     setting = os.environ.get(ENV, "").strip()
-    if setting.lower() in ("", "off", "0", "false", "no"):
+    if setting.lower() in ("off", "0", "false", "no"):
         return None
-    if setting.lower() in ("on", "1", "true", "yes"):
+    if setting.lower() in ("", "on", "1", "true", "yes"):
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kdtree" / "kernels"
     else:
         base = Path(setting).expanduser()
     return base / _source_digest()
+
+
+def prune(root: Path, keep: int = KEEP_TREES) -> None:
+    """Remove the folders of other source trees beside ``root`` (named like a digest) but the ``keep`` - 1 most
+    recently modified; errors (a folder another process is removing, no permission) are ignored."""
+    try:
+        others = [path for path in root.parent.iterdir()
+                  if path != root and path.is_dir() and _DIGEST_NAME.fullmatch(path.name)]
+        others.sort(key=lambda path: path.stat().st_mtime, reverse=True)
+    except OSError:
+        return
+    for path in others[keep - 1:]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -164,6 +182,18 @@ def cached(kernel):
     return kernel
 
 
+@functools.lru_cache(maxsize=None)
+def _prepare(root: Path) -> None:
+    """Once per process and folder, when a kernel is first compiled (importing the kernels writes nothing): make
+    the folder (its mtime marks it used) and prune the other source trees' folders."""
+    fresh = not root.is_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        prune(root)
+    else:
+        os.utime(root)
+
+
 @functools.lru_cache(maxsize=1)
 def _cache_class():
     """KernelCache, built on first use: it subclasses numba-cuda internals that exist only on a real GPU build."""
@@ -181,6 +211,7 @@ def _cache_class():
     class KernelCache(CUDACache):
         def __init__(self, py_func, root: Path, description: str):
             self._kdtree_key = hashlib.sha256(description.encode()).hexdigest()
+            self._root = root
             self.errors: list[str] = []   # why an entry could not be read or written (tools/first_step_profile.py)
 
             class Impl(CUDACacheImpl):
@@ -192,6 +223,7 @@ def _cache_class():
         # An entry that cannot be read (damaged, another toolchain's) or written is compiled as without a cache.
         def load_overload(self, sig, target_context):
             try:
+                _prepare(self._root)
                 return super().load_overload(sig, target_context)
             except Exception as error:   # noqa: BLE001
                 self.errors.append(f"load: {type(error).__name__}: {error}")
@@ -199,6 +231,7 @@ def _cache_class():
 
         def save_overload(self, sig, data):
             try:
+                _prepare(self._root)
                 super().save_overload(sig, data)
             except Exception as error:   # noqa: BLE001
                 self.errors.append(f"save: {type(error).__name__}: {error}")

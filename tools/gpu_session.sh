@@ -6,7 +6,7 @@
 #
 #     bash tools/gpu_session.sh record-k2  # k2-mini --golden gpu: seconds to the first durable step, then check
 #     bash tools/gpu_session.sh profile-k2 # where those seconds go: phases and kernel compilation (twice: the
-#                                          # second process shows what KDTREE_KERNEL_CACHE, if set, saves)
+#                                          # second process shows what the kernel cache saves)
 #     bash tools/gpu_session.sh train      # kdtree train drafter for pycoder-mini into $OUT/drafter
 #     bash tools/gpu_session.sh tests      # GPU tests of the device drafter, torch golden, sampling/tree, k2-mini
 #     bash tools/gpu_session.sh sample     # the pycoder-mini sample trace (dflash drafter, B=64, held-out prompt)

@@ -60,16 +60,34 @@ def test_a_closure_over_an_unknown_object_is_not_cached():
 
 
 def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(kernel_cache.ENV, raising=False)
-    assert kernel_cache.cache_root() is None          # off unless asked for
+    assert kernel_cache.cache_root().parent == tmp_path / "xdg" / "kdtree" / "kernels"   # on unless turned off
     monkeypatch.setenv(kernel_cache.ENV, "off")
     assert kernel_cache.cache_root() is None
     monkeypatch.setenv(kernel_cache.ENV, str(tmp_path))
     root = kernel_cache.cache_root()
     assert root.parent == tmp_path and len(root.name) == 16
     monkeypatch.setenv(kernel_cache.ENV, "on")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert kernel_cache.cache_root().parent == tmp_path / "xdg" / "kdtree" / "kernels"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert kernel_cache.cache_root().parent == tmp_path / "home" / ".cache" / "kdtree" / "kernels"
+
+
+def test_a_new_source_tree_keeps_only_the_most_recently_used_others(tmp_path):
+    stranger = tmp_path / "not-a-digest"            # a folder the cache did not make: left alone
+    stranger.mkdir()
+    trees = [tmp_path / f"{i:016x}" for i in range(6)]
+    for age, tree in enumerate(trees):              # trees[0] the most recently used
+        tree.mkdir()
+        (tree / "entry.nbc").write_bytes(b"x")
+        os.utime(tree, (1_000_000 - age * 100, 1_000_000 - age * 100))
+    current = tmp_path / ("f" * 16)
+    current.mkdir()
+    kernel_cache.prune(current, keep=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [stranger.name, current.name] + [tree.name for tree in trees[:3]])
+    kernel_cache.prune(tmp_path / "gone" / ("0" * 16))   # a parent that does not exist: nothing to do, no error
 
 
 def test_the_directory_changes_with_any_source_edit(tmp_path):
