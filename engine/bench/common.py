@@ -174,20 +174,51 @@ def copy_bandwidth(quick: bool = False) -> float:
 _CEILINGS: dict = {}
 
 
+TENSOR_CORE_SIDE = 8192   # the bf16 peak's square product: [n, n] x [n, n], 1.1 TFLOP
+
+
+def tensor_core_peak(quick: bool = False) -> float | None:
+    """Measured bf16 tensor-core FLOP/s: torch's bf16 matmul (cuBLAS, fp32 accumulation) of two
+    TENSOR_CORE_SIDE-square matrices, the best of 5 after a warm-up; None without torch on a GPU (or quick)."""
+    torch = None if quick else torch_cuda()
+    if torch is None:
+        return None
+    n = TENSOR_CORE_SIDE
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for trial in range(6):
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        if trial:   # the first call picks cuBLAS's algorithm
+            best = min(best, start.elapsed_time(end) * 1e-3)
+    del a, b
+    return 2 * n ** 3 / best
+
+
 def ceilings(quick: bool = False) -> dict:
-    """{"copy_bytes_per_s", "fma_flops"} measured once per process (and per quick flag)."""
+    """{"copy_bytes_per_s", "fma_flops", "tensor_core_flops" (None without torch)} measured once per process
+    (and per quick flag)."""
     if quick not in _CEILINGS:
-        progress("measuring ceilings (device copy bandwidth, fp32 FMA peak)")
-        _CEILINGS[quick] = dict(copy_bytes_per_s=copy_bandwidth(quick), fma_flops=fma_peak(quick))
+        progress("measuring ceilings (device copy bandwidth, fp32 FMA peak, bf16 tensor-core peak)")
+        _CEILINGS[quick] = dict(copy_bytes_per_s=copy_bandwidth(quick), fma_flops=fma_peak(quick),
+                                tensor_core_flops=tensor_core_peak(quick))
     return _CEILINGS[quick]
 
 
 def ceiling_rows(quick: bool = False) -> list[dict]:
     c = ceilings(quick)
-    return [row("ceiling", "copy bandwidth (read + write)", c["copy_bytes_per_s"] / 1e9, "GB/s",
+    rows = [row("ceiling", "copy bandwidth (read + write)", c["copy_bytes_per_s"] / 1e9, "GB/s",
                 note="max of cudaMemcpy D2D and a Numba copy kernel, 2 GiB"),
             row("ceiling", "fp32 FMA peak", c["fma_flops"] / 1e12, "TFLOP/s",
                 note=f"Numba kernel, {FMA_CHAINS} register FMA chains per thread")]
+    if c["tensor_core_flops"] is not None:
+        rows.append(row("ceiling", "bf16 tensor-core peak", c["tensor_core_flops"] / 1e12, "TFLOP/s",
+                        note=f"torch bf16 matmul (cuBLAS), {TENSOR_CORE_SIDE}-square"))
+    return rows
 
 
 def torch_cuda():

@@ -1,5 +1,6 @@
 """Suite ``e2e``: k2-mini (bf16 weights) decoding on the engine's device model, AR and DDTree (oracle and
-noisy:0.7 drafters, block 8, budgets 7 / 64 / 256), against the memory roofline and Hugging Face transformers.
+noisy:0.7 drafters, block 8, budgets 7 / 15 / 31 / 63 / 127 / 255), against a roofline and Hugging Face
+transformers.
 
 - Weights: k2-mini's seeded weights (engine.model.weights.SeededWeights), drawn on the GPU and rounded to bf16,
   so the engine (weight_dtype bfloat16) and the HF peer (DeepseekV3ForCausalLM in bf16) hold exactly the same
@@ -9,10 +10,12 @@ noisy:0.7 drafters, block 8, budgets 7 / 64 / 256), against the memory roofline 
 - Tokens per second are decode tokens (after the prefill's first token) over decode wall time; the stage
   breakdown is GenerateResult.stage_times per step. Every timed decode runs REPEATS times and the run with
   the median decode time is reported (single runs of the same decode were seen 30% apart on the H200).
-- Roofline: the bytes a step must move (linear weights it touches in bf16 — attention, dense MLP, router,
-  shared expert, the distinct routed experts picked in that step counted once, lm_head — plus the KV cache
-  rows read, fp32) over the copy bandwidth measured in the same run. Distinct experts are counted in a
-  separate instrumented pass (the timed runs are not instrumented).
+- Roofline of a forward: max(memory time, compute time), both ceilings measured in the same run.
+  Memory: the bytes it must move (linear weights it touches in bf16 — attention, dense MLP, router, shared
+  expert, the distinct routed experts picked in that step counted once, lm_head — plus the KV cache rows read,
+  fp32) over the copy bandwidth. Compute: its FLOPs (step_flops) over the bf16 tensor-core peak (torch's bf16
+  matmul); without torch, the memory time alone. Distinct experts are counted in a separate instrumented pass
+  per budget (the timed runs are not instrumented).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from kdspec.traces.schema import STAGES
 
 SUITE = "e2e"
 BLOCK_SIZE = 8
-BUDGETS = (7, 64, 256)
+BUDGETS = (7, 15, 31, 63, 127, 255)   # trees of 8 .. 256 nodes, the root included
 DRAFTERS = ("oracle", "noisy:0.7")
 REPEATS = 3               # timed decodes per configuration: the median run is reported
 ROOFLINE_FACTOR = 2.0      # a step within 2x of its memory roofline
@@ -155,6 +158,36 @@ def step_bytes(cfg: ModelConfig, tokens: int, prefix_len: int, distinct_per_laye
     return total
 
 
+def step_flops(cfg: ModelConfig, tokens: int, prefix_len: int) -> float:
+    """FLOPs of one forward of ``tokens`` new rows after ``prefix_len`` cached rows: 2 per multiply-add. Every row
+    goes through every linear weight of its layers (a MoE layer's router, shared expert and its top-k routed
+    experts only) and lm_head; MLA attention (absorbed: kv_b_proj counted as a linear weight) scores and sums
+    over prefix_len + tokens keys per head, the keys a tree-verify launch reads (masked ones included), in the
+    latent + rope width for scores and the latent width for values."""
+    shapes = parameter_shapes(cfg)
+    f = cfg.moe_intermediate_size
+    per_row = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        per_row += sum(float(np.prod(shape)) for name, shape in shapes.items()
+                       if name.startswith(p) and len(shape) == 2 and ".mlp.experts." not in name)
+        if cfg.is_moe_layer(layer):
+            per_row += cfg.num_experts_per_tok * 3 * cfg.hidden_size * f
+    per_row += float(np.prod(shapes["lm_head.weight" if not cfg.tie_word_embeddings else "model.embed_tokens.weight"]))
+    keys = prefix_len + tokens
+    attention = cfg.num_attention_heads * keys * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
+    return 2.0 * tokens * (per_row + attention)
+
+
+def roofline_seconds(cfg: ModelConfig, forwards: list, ceiling: dict) -> tuple[float, float, float]:
+    """(roofline, memory time, compute time) of the mean forward of ``forwards`` [(s, cache length, distinct
+    experts per MoE layer)]; compute time 0 without a tensor-core ceiling."""
+    memory = np.mean([step_bytes(cfg, s, p, d) for s, p, d in forwards]) / ceiling["copy_bytes_per_s"]
+    peak = ceiling.get("tensor_core_flops")
+    compute = np.mean([step_flops(cfg, s, p) for s, p, _ in forwards]) / peak if peak else 0.0
+    return max(memory, compute), memory, compute
+
+
 # ------------------------------------------------------------------------------------------ the model
 def load_model(quick: bool):
     """(cfg, DeviceModel, tree_ops, torch tensors or None): k2-mini bf16 on the GPU (quick: tiny, fp32, numpy
@@ -238,7 +271,7 @@ def _plan(cfg: ModelConfig, ops, quick: bool) -> _Plan:
 def run(quick: bool = False) -> list[dict]:
     cfg, model, ops, tensors = load_model(quick)
     plan = _plan(cfg, ops, quick)
-    bandwidth = ceilings(quick)["copy_bytes_per_s"]
+    ceiling = ceilings(quick)
     if not quick:  # the simulator compiles nothing
         _warm_up(cfg, model, plan)
     progress(f"e2e: AR, {plan.new_tokens} tokens")
@@ -253,8 +286,7 @@ def run(quick: bool = False) -> list[dict]:
     rows.extend(_ddtree_row(spec, budget, result, ar, ar_rate, plan.new_tokens)
                 for (spec, budget), result in ddtree.items())
     ar_forwards, verify_forwards = _count_experts(cfg, model, plan, golden)
-    rows.extend(_roofline_rows(cfg, plan, bandwidth, ar_forwards, verify_forwards, ar_step, ar_rate,
-                               ddtree["oracle", plan.budgets[0]]))
+    rows.extend(_roofline_rows(cfg, plan, ceiling, ar_forwards, verify_forwards, ar_step, ar_rate, ddtree))
     rows.extend(_hf_rows(cfg, tensors, plan.prompt, plan.new_tokens, ar, ar_rate, quick))
     release_tensors(quick)
     return rows
@@ -295,52 +327,58 @@ def _ddtree_row(spec: str, budget: int, result, ar, ar_rate: float, new_tokens: 
                     f"{same}/{new_tokens} tokens = AR")
 
 
-def _count_experts(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) -> tuple[list, list]:
-    """(AR forwards, DDTree verify forwards) of an instrumented AR run and an oracle run at the first budget,
+def _count_experts(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) -> tuple[list, dict]:
+    """(AR forwards, budget -> DDTree verify forwards) of an instrumented AR run and an oracle run per budget,
     each forward (s, cache length, distinct routed experts per MoE layer), the prefills left out."""
     progress("e2e: counting distinct experts per step (instrumented pass)")
     counter = ExpertCounter(model)
+    verify_forwards = {}
     try:
         generate(model, plan.prompt, DecodeConfig(2 if plan.quick else 16), **plan.run_args)
         ar_forwards = counter.forwards[1:]  # [0] is the prefill
-        counter.forwards = []
-        first = plan.budgets[0]
-        drafter = parse_drafter("oracle").build(golden, plan.block - 1, min(first, cfg.vocab_size), cfg.vocab_size)
-        generate(model, plan.prompt, DecodeConfig(2 if plan.quick else plan.new_tokens, mode="ddtree",
-                                                  block_size=plan.block, budget=first), drafter, **plan.run_args)
-        verify_forwards = counter.forwards[1:]
+        for budget in plan.budgets:
+            counter.forwards = []
+            drafter = parse_drafter("oracle").build(golden, plan.block - 1, min(budget, cfg.vocab_size),
+                                                    cfg.vocab_size)
+            generate(model, plan.prompt, DecodeConfig(2 if plan.quick else plan.new_tokens, mode="ddtree",
+                                                      block_size=plan.block, budget=budget), drafter, **plan.run_args)
+            verify_forwards[budget] = counter.forwards[1:]
     finally:
         counter.remove()
     return ar_forwards, verify_forwards
 
 
-def _roofline_rows(cfg: ModelConfig, plan: _Plan, bandwidth: float, ar_forwards: list, verify_forwards: list,
-                   ar_step: float, ar_rate: float, oracle) -> list[dict]:
-    """The AR step and the oracle's verify step against their memory rooflines, and the speed-up the two
-    rooflines and the oracle's tau predict."""
+def _roofline_rows(cfg: ModelConfig, plan: _Plan, ceiling: dict, ar_forwards: list, verify_forwards: dict,
+                   ar_step: float, ar_rate: float, ddtree: dict) -> list[dict]:
+    """The AR step and the oracle's verify step at every budget against their rooflines, and the speed-up the
+    rooflines and the oracle's tau predict at the first budget."""
     quick, first = plan.quick, plan.budgets[0]
-    ar_roof = np.mean([step_bytes(cfg, s, p, d) for s, p, d in ar_forwards]) / bandwidth
-    verify_roof = np.mean([step_bytes(cfg, s, p, d) for s, p, d in verify_forwards]) / bandwidth
-    verify_experts = np.mean([np.mean(d) for _, _, d in verify_forwards]) if cfg.has_moe else 0.0
-    ar_experts = np.mean([np.mean(d) for _, _, d in ar_forwards]) if cfg.has_moe else 0.0
     target = f"<= {ROOFLINE_FACTOR:g}x roofline"
-    verify_step = oracle.stage_times["verify"] / oracle.steps
+    experts = lambda forwards: np.mean([np.mean(d) for _, _, d in forwards]) if cfg.has_moe else 0.0  # noqa: E731
+    ar_roof, ar_memory, ar_compute = roofline_seconds(cfg, ar_forwards, ceiling)
+    rows = [row(SUITE, "AR step vs roofline", ar_step * 1e3, "ms", peer="roofline", peer_value=ar_roof * 1e3,
+                ratio=ar_roof / ar_step, target=target, ok=None if quick else ar_step <= ROOFLINE_FACTOR * ar_roof,
+                note=f"whole AR step; memory {ar_memory * 1e3:.3g} ms, compute {ar_compute * 1e3:.3g} ms; "
+                     f"{experts(ar_forwards):.1f} distinct experts/layer; ratio = roofline / measured")]
+    for budget in plan.budgets:
+        oracle = ddtree["oracle", budget]
+        roof, memory, compute = roofline_seconds(cfg, verify_forwards[budget], ceiling)
+        verify_step = oracle.stage_times["verify"] / oracle.steps
+        flops = np.mean([step_flops(cfg, s, p) for s, p, _ in verify_forwards[budget]])
+        rows.append(row(SUITE, f"DDTree verify step B={budget} vs roofline", verify_step * 1e3, "ms",
+                        peer="roofline", peer_value=roof * 1e3, ratio=roof / verify_step, target=target,
+                        ok=None if quick else verify_step <= ROOFLINE_FACTOR * roof,
+                        note=f"oracle's verify stage (forward + token choice); memory {memory * 1e3:.3g} ms, "
+                             f"compute {compute * 1e3:.3g} ms ({flops / 1e12:.3g} TFLOP); "
+                             f"{experts(verify_forwards[budget]):.1f} distinct experts/layer"))
+    oracle = ddtree["oracle", first]
     oracle_rate, _ = decode_rate(oracle)
-    predicted = oracle.mean_tau * ar_roof / verify_roof
-    return [
-        row(SUITE, "AR step vs roofline", ar_step * 1e3, "ms", peer="memory roofline",
-            peer_value=ar_roof * 1e3, ratio=ar_roof / ar_step, target=target,
-            ok=None if quick else ar_step <= ROOFLINE_FACTOR * ar_roof,
-            note=f"whole AR step; {ar_experts:.1f} distinct experts/layer; ratio = roofline / measured"),
-        row(SUITE, f"DDTree verify step B={first} vs roofline", verify_step * 1e3, "ms",
-            peer="memory roofline", peer_value=verify_roof * 1e3, ratio=verify_roof / verify_step,
-            target=target, ok=None if quick else verify_step <= ROOFLINE_FACTOR * verify_roof,
-            note=f"verify stage (forward + token choice); {verify_experts:.1f} distinct experts/layer"),
-        row(SUITE, f"DDTree oracle B={first} / AR speed-up", oracle_rate / ar_rate, "x",
-            peer="roofline prediction", peer_value=predicted, ratio=None, target="> 1x",
-            ok=None if quick else oracle_rate > ar_rate,
-            note=f"prediction = tau {oracle.mean_tau:.2f} x AR roofline / verify roofline"),
-    ]
+    predicted = oracle.mean_tau * ar_roof / roofline_seconds(cfg, verify_forwards[first], ceiling)[0]
+    rows.append(row(SUITE, f"DDTree oracle B={first} / AR speed-up", oracle_rate / ar_rate, "x",
+                    peer="roofline prediction", peer_value=predicted, ratio=None, target="> 1x",
+                    ok=None if quick else oracle_rate > ar_rate,
+                    note=f"prediction = tau {oracle.mean_tau:.2f} x AR roofline / verify roofline"))
+    return rows
 
 
 def _hf_rows(cfg, tensors, prompt, new_tokens, ar, ar_rate, quick) -> list[dict]:

@@ -110,6 +110,28 @@ def test_step_bytes_all_experts_is_every_weight():
         assert want - fewer == moe_layers * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
 
 
+def test_step_flops_from_the_dimensions():
+    """step_flops against the MLA / MoE dimensions written out by hand: per row, every projection, the router,
+    the shared expert, top-k of the routed experts, lm_head; attention over every key in latent + rope width
+    (scores) and latent width (values)."""
+    from kdspec.engine.bench.e2e import step_flops
+    for name in ("tiny", "small"):
+        c = PRESETS[name]
+        d, h, lat, rope = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+        q_width = h * (c.qk_nope_head_dim + rope)
+        q = d * c.q_lora_rank + c.q_lora_rank * q_width if c.q_lora_rank else d * q_width
+        attention = q + d * (lat + rope) + lat * h * (c.qk_nope_head_dim + c.v_head_dim) + h * c.v_head_dim * d
+        f = c.moe_intermediate_size
+        moe = d * c.n_routed_experts + 3 * d * f * (c.n_shared_experts + c.num_experts_per_tok)
+        mlp = [3 * d * c.intermediate_size if layer < c.first_k_dense_replace else moe
+               for layer in range(c.num_hidden_layers)]
+        per_row = c.num_hidden_layers * attention + sum(mlp) + c.vocab_size * d
+        for tokens, prefix in ((1, 0), (5, 17)):
+            keys = prefix + tokens
+            want = 2 * tokens * (per_row + c.num_hidden_layers * h * keys * (2 * lat + rope))
+            assert step_flops(c, tokens, prefix) == want, (name, tokens, prefix)
+
+
 # ------------------------------------------------------------------------------------------ HF peer
 @pytest.mark.parametrize("name", ["tiny", "small"])
 def test_hf_peer_matches_golden(name):
