@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import time
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -39,7 +40,8 @@ BLOCK_SIZE = 8
 BUDGETS = (7, 15, 31, 63, 127, 255)   # trees of 8 .. 256 nodes, the root included
 DRAFTERS = ("oracle", "noisy:0.7")
 REPEATS = 3               # timed decodes per configuration: the median run is reported
-ROOFLINE_FACTOR = 2.0      # a step within 2x of its memory roofline
+ROOFLINE_FACTOR = 2.0      # a step within 2x of its roofline
+HOST_TARGET = 0.3e-3       # seconds of host time per DDTree step (wall time the GPU is idle)
 HF_TARGET = 2.0            # engine AR >= 2x HF transformers AR
 WEIGHT_BYTES = 2           # bf16 storage of every linear weight on the device
 
@@ -287,6 +289,7 @@ def run(quick: bool = False) -> list[dict]:
                 for (spec, budget), result in ddtree.items())
     ar_forwards, verify_forwards = _count_experts(cfg, model, plan, golden)
     rows.extend(_roofline_rows(cfg, plan, ceiling, ar_forwards, verify_forwards, ar_step, ar_rate, ddtree))
+    rows.extend(_host_time_rows(cfg, model, plan, golden))
     rows.extend(_hf_rows(cfg, tensors, plan.prompt, plan.new_tokens, ar, ar_rate, quick))
     release_tensors(quick)
     return rows
@@ -378,6 +381,59 @@ def _roofline_rows(cfg: ModelConfig, plan: _Plan, ceiling: dict, ar_forwards: li
                     peer="roofline prediction", peer_value=predicted, ratio=None, target="> 1x",
                     ok=None if quick else oracle_rate > ar_rate,
                     note=f"prediction = tau {oracle.mean_tau:.2f} x AR roofline / verify roofline"))
+    return rows
+
+
+def busy_seconds(intervals: list, start: float, end: float) -> float:
+    """Length of the union of ``intervals`` [(begin, end)] clipped to [start, end] (any one unit)."""
+    busy, reach = 0.0, start
+    for begin, finish in sorted(intervals):
+        begin, finish = max(begin, reach), min(finish, end)
+        if finish > begin:
+            busy += finish - begin
+            reach = finish
+    return busy
+
+
+def profiled_host_time(decode) -> tuple[float, float, int]:
+    """(host seconds, GPU-busy seconds, steps) of the decode after the prefill of ``decode()`` (a generate call),
+    run once under torch's profiler (CUPTI records every kernel and copy of the process, Numba's included).
+    Host time = decode wall time minus the time the GPU was busy within it; the decode window is the last
+    ``elapsed - prefill_time`` seconds before the last GPU activity ends (the decode ends reading its tokens
+    back). The profiler adds a little to every launch: the figure is an upper bound."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        result = decode()
+    intervals = [(e.time_range.start * 1e-6, e.time_range.end * 1e-6) for e in profiler.events()
+                 if e.device_type == DeviceType.CUDA]
+    if not intervals:
+        raise RuntimeError("the profiler recorded no GPU activity")
+    wall = result.elapsed - result.prefill_time
+    end = max(finish for _, finish in intervals)
+    busy = busy_seconds(intervals, end - wall, end)
+    return wall - busy, busy, result.steps
+
+
+def _host_time_rows(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) -> list[dict]:
+    """Host time per step (wall time the GPU is idle) of AR and of the oracle at every budget: one profiled
+    run each, after the timed ones."""
+    if plan.quick:   # the simulator has no profiler to read; the full suite needs torch on a GPU anyway
+        return []
+    target = f"<= {HOST_TARGET * 1e3:g} ms"
+    runs = {"AR": lambda: generate(model, plan.prompt, DecodeConfig(plan.new_tokens), **plan.run_args)}
+    for budget in plan.budgets:
+        drafter = parse_drafter("oracle").build(golden, plan.block - 1, min(budget, cfg.vocab_size), cfg.vocab_size)
+        config = DecodeConfig(plan.new_tokens, mode="ddtree", block_size=plan.block, budget=budget)
+        runs[f"DDTree oracle B={budget}"] = partial(generate, model, plan.prompt, config, drafter, **plan.run_args)
+    rows = []
+    for name, decode in runs.items():
+        progress(f"e2e: host time of {name} (profiled)")
+        host, busy, steps = profiled_host_time(decode)
+        rows.append(row(SUITE, f"{name} host time per step", host / steps * 1e3, "ms", peer="GPU busy per step",
+                        peer_value=busy / steps * 1e3, target=target if name != "AR" else None,
+                        ok=None if name == "AR" else host / steps <= HOST_TARGET,
+                        note=f"torch profiler (CUPTI), {steps} steps; host = decode wall - GPU busy"))
     return rows
 
 

@@ -132,6 +132,16 @@ def test_step_flops_from_the_dimensions():
             assert step_flops(c, tokens, prefix) == want, (name, tokens, prefix)
 
 
+def test_busy_seconds_is_the_union_clipped_to_the_window():
+    from kdspec.engine.bench.e2e import busy_seconds
+    assert busy_seconds([], 0.0, 10.0) == 0.0
+    assert busy_seconds([(1, 3), (2, 4), (6, 7)], 0, 10) == 4         # overlapping kernels count once
+    assert busy_seconds([(6, 7), (1, 3), (2, 4)], 0, 10) == 4         # in any order
+    assert busy_seconds([(1, 3), (2, 4), (6, 7)], 2.5, 6.5) == 2      # clipped: 2.5..4 and 6..6.5
+    assert busy_seconds([(1, 9), (2, 3)], 0, 10) == 8                 # one inside another
+    assert busy_seconds([(-5, -1), (11, 12)], 0, 10) == 0             # outside the window
+
+
 # ------------------------------------------------------------------------------------------ HF peer
 @pytest.mark.parametrize("name", ["tiny", "small"])
 def test_hf_peer_matches_golden(name):
