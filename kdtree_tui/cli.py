@@ -15,12 +15,15 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 
 
 # --save-logits stores [steps, L+1, V] floats: only for small vocabularies.
 MAX_SAVED_VOCAB = 4096
 # Exit status when stdout is a closed pipe (`kdtree info --json T | head`): a shell's for a SIGPIPE kill.
 BROKEN_PIPE_EXIT = 141
+# numba-cuda's occupancy warning, after the highlighting codes it may start with
+LOW_OCCUPANCY_HINT = r".*Grid size \d+ will likely result in GPU under-utilization"
 
 
 class UsageError(Exception):
@@ -665,6 +668,9 @@ def _run_training(run, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status. A closed stdout pipe ends it quietly (BROKEN_PIPE_EXIT)."""
+    # The engine launches small grids on purpose (a block per tree, per few rows); Numba's occupancy hint would
+    # print a line per kernel into every recording's output.
+    warnings.filterwarnings("ignore", message=LOW_OCCUPANCY_HINT)
     try:
         parser = build_parser()
         try:

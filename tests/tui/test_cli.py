@@ -143,3 +143,20 @@ def test_same_seed_and_config_record_the_same_trace(tmp_path):
             for key in [k for k in meta if "time" in k]:
                 del meta[key]
         assert json.dumps(meta_a, sort_keys=True, default=str) == json.dumps(meta_b, sort_keys=True, default=str)
+
+
+def test_numba_occupancy_hint_stays_out_of_the_output():
+    """The engine launches small grids on purpose: Numba's low-occupancy hint (with its highlighting) is
+    silenced by the command line; other warnings are not."""
+    import warnings
+
+    from numba.core.errors import NumbaPerformanceWarning
+
+    from kdspec.kdtree_tui import cli
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert cli.main(["--version"]) == 0
+        warnings.warn(NumbaPerformanceWarning("Grid size 1 will likely result in GPU under-utilization due to "
+                                              "low occupancy."))
+        warnings.warn(NumbaPerformanceWarning("another hint"))
+    assert ["another hint" in str(w.message) for w in seen] == [True]
