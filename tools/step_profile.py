@@ -1,0 +1,75 @@
+"""Where a decode step's host time goes (issue #19): k2-mini (bf16 weights) on the device model, the engine's
+own AR run as the oracle's golden (as `kdtree bench e2e` does), then one AR decode and one DDTree oracle decode
+at each budget under cProfile, after warm-up runs that compile every kernel. Prints the per-step stage times and,
+per run, the functions with the most own time and the most time inside them.
+
+    python3 -W ignore tools/step_profile.py [--model k2-mini] [--budgets 7,63] [--tokens 64] [--top 30] [--out DIR]
+
+Run on the GPU machine; ``--out`` also writes each run's pstats dump (snakeviz / pstats can read it).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+from pathlib import Path
+
+import numpy as np
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="k2-mini", help="a preset (tiny runs under the CUDA simulator)")
+    parser.add_argument("--budgets", default="7,63")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    from kdspec.engine.decode.config import DecodeConfig
+    from kdspec.engine.decode.drafters import parse_drafter
+    from kdspec.engine.decode.loop import generate
+    from kdspec.engine.device.model import DeviceModel
+    from kdspec.engine.device.tree_ops import DeviceTreeOps
+    from kdspec.engine.model.config import PRESETS
+    from kdspec.engine.model.weights import SeededWeights
+    from kdspec.numba_kernels.runtime import ON_SIMULATOR
+    from kdspec.traces.schema import STAGES
+
+    cfg = PRESETS[args.model]
+    model = DeviceModel(cfg, SeededWeights(cfg, 0), "sim" if ON_SIMULATOR else "cuda", weight_dtype="bfloat16")
+    ops = DeviceTreeOps()
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 32).astype(np.int64)
+    block = 8
+    ar = generate(model, prompt, DecodeConfig(args.tokens + block), tree_ops=ops)   # warm-up and the golden
+    golden = np.concatenate([prompt, ar.tokens])
+    runs = {"AR": lambda: generate(model, prompt, DecodeConfig(args.tokens), tree_ops=ops)}
+    for budget in (int(b) for b in args.budgets.split(",")):
+        drafter = parse_drafter("oracle").build(golden, block - 1, min(budget, cfg.vocab_size), cfg.vocab_size)
+        config = DecodeConfig(args.tokens, mode="ddtree", block_size=block, budget=budget)
+        runs[f"DDTree oracle B={budget}"] = (lambda c=config, d=drafter: generate(model, prompt, c, d, tree_ops=ops))
+    for decode in runs.values():   # compile every kernel of every run before profiling
+        decode()
+    summary = []
+    for name, decode in runs.items():
+        profiler = cProfile.Profile()
+        profiler.enable()
+        result = decode()
+        profiler.disable()
+        per_step = {stage: result.stage_times[stage] / result.steps * 1e3 for stage in STAGES}
+        wall = (result.elapsed - result.prefill_time) / result.steps * 1e3
+        summary.append(f"{name:22s} {result.steps:3d} steps, tau {result.mean_tau:.2f}, {wall:.3g} ms/step: "
+                       + ", ".join(f"{stage} {ms:.3g}" for stage, ms in per_step.items()))
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(args.top)
+        stats.sort_stats("cumulative").print_stats(args.top)
+        print(f"===== {name} (cProfile slows Python: compare shares, not times)\n{text.getvalue()}")
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            stats.dump_stats(args.out / (name.replace(" ", "_").replace("=", "") + ".pstats"))
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
