@@ -500,9 +500,15 @@ class TreeBatch:
         return tuple(self.packed.shape) == (len(OUTPUT_ROWS), batch, budget + 1)
 
 
-@functools.lru_cache(maxsize=64)
 def _configured(kernel, batch: int):
-    """kernel[b, BUILD_THREADS], made once per (kernel, b): launches skip building the launch configuration."""
+    """kernel[b, BUILD_THREADS], made once per (kernel, b) on a GPU: launches skip building the launch
+    configuration. The simulator's kernel[...] sets the grid on the kernel itself and returns it, so a kept one
+    would launch with whatever grid was configured last: it is configured at every launch there."""
+    return kernel[batch, BUILD_THREADS] if ON_SIMULATOR else _configured_on_gpu(kernel, batch)
+
+
+@functools.lru_cache(maxsize=64)
+def _configured_on_gpu(kernel, batch: int):
     return kernel[batch, BUILD_THREADS]
 
 
