@@ -295,14 +295,18 @@ def run(quick: bool = False) -> list[dict]:
     return rows
 
 
+def _drafter(cfg: ModelConfig, plan: _Plan, spec: str, golden: np.ndarray, budget: int):
+    """The ``spec`` drafter over ``golden`` for one budget: L = block - 1 depths, K = min(B, V) candidates."""
+    return parse_drafter(spec).build(golden, plan.block - 1, min(budget, cfg.vocab_size), cfg.vocab_size, seed=0)
+
+
 def _warm_up(cfg: ModelConfig, model, plan: _Plan) -> None:
     """Compile every kernel the timed runs launch: a short AR decode and an oracle DDTree one per budget."""
     progress("e2e: warm-up (kernel compilation)")
     generate(model, plan.prompt, DecodeConfig(3), **plan.run_args)
     warm_golden = np.concatenate([plan.prompt, np.zeros(64, np.int64)])
     for budget in plan.budgets:
-        drafter = parse_drafter("oracle").build(warm_golden, plan.block - 1, min(budget, cfg.vocab_size),
-                                                cfg.vocab_size)
+        drafter = _drafter(cfg, plan, "oracle", warm_golden, budget)
         generate(model, plan.prompt, DecodeConfig(3, mode="ddtree", block_size=plan.block, budget=budget), drafter,
                  **plan.run_args)
 
@@ -313,8 +317,7 @@ def _ddtree_runs(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) -> di
     for spec in plan.drafters:
         for budget in plan.budgets:
             progress(f"e2e: DDTree {spec} budget {budget}")
-            topk = min(budget, cfg.vocab_size)
-            drafter = parse_drafter(spec).build(golden, plan.block - 1, topk, cfg.vocab_size, seed=0)
+            drafter = _drafter(cfg, plan, spec, golden, budget)
             config = DecodeConfig(plan.new_tokens, mode="ddtree", block_size=plan.block, budget=budget)
             ddtree[spec, budget] = median_run(lambda: generate(model, plan.prompt, config, drafter, **plan.run_args),
                                               plan.repeats)
@@ -341,8 +344,7 @@ def _count_experts(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) -> 
         ar_forwards = counter.forwards[1:]  # [0] is the prefill
         for budget in plan.budgets:
             counter.forwards = []
-            drafter = parse_drafter("oracle").build(golden, plan.block - 1, min(budget, cfg.vocab_size),
-                                                    cfg.vocab_size)
+            drafter = _drafter(cfg, plan, "oracle", golden, budget)
             generate(model, plan.prompt, DecodeConfig(2 if plan.quick else plan.new_tokens, mode="ddtree",
                                                       block_size=plan.block, budget=budget), drafter, **plan.run_args)
             verify_forwards[budget] = counter.forwards[1:]
@@ -423,7 +425,7 @@ def _host_time_rows(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) ->
     target = f"<= {HOST_TARGET * 1e3:g} ms"
     runs = {"AR": lambda: generate(model, plan.prompt, DecodeConfig(plan.new_tokens), **plan.run_args)}
     for budget in plan.budgets:
-        drafter = parse_drafter("oracle").build(golden, plan.block - 1, min(budget, cfg.vocab_size), cfg.vocab_size)
+        drafter = _drafter(cfg, plan, "oracle", golden, budget)
         config = DecodeConfig(plan.new_tokens, mode="ddtree", block_size=plan.block, budget=budget)
         runs[f"DDTree oracle B={budget}"] = partial(generate, model, plan.prompt, config, drafter, **plan.run_args)
     rows = []
