@@ -12,12 +12,14 @@
 #     bash tools/gpu_session.sh sample     # the pycoder-mini sample trace (dflash drafter, B=64, held-out prompt)
 #     bash tools/gpu_session.sh e2e        # kdtree bench e2e (k2-mini bf16, budgets 7..255, rooflines, host time)
 #     bash tools/gpu_session.sh profile-step  # cProfile of AR and DDTree oracle B=7 / 63 steps on k2-mini
+#     bash tools/gpu_session.sh profile-kernels  # GPU time per kernel of AR and DDTree oracle B=7 / 63 / 255 steps
+#     bash tools/gpu_session.sh invariance  # which bf16 products give a row the same bits at every row count
 #     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
 #                                          # budgets 8..256; or T and those budgets only)
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|profile-step|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|profile-step|profile-kernels|invariance|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -92,6 +94,16 @@ profile-step)
     step profile-step 400 python3 -W ignore tools/step_profile.py --budgets 7,63 --out "$OUT/pstats"
     tail -n 3 "$log"
     ;;
+profile-kernels)
+    step profile-kernels 240 python3 -W ignore tools/step_profile.py --kernels --budgets 7,63,255 --top 14
+    step profile-kernels-variant 240 python3 -W ignore tools/step_profile.py --kernels --budgets 7,63,255 --top 14 \
+        --variant
+    grep -a -E "^=====|ms/step" "$log" | cut -c1-150
+    ;;
+invariance)
+    step invariance-probe 200 python3 -W ignore tools/invariance_probe.py
+    tail -n 30 "$log"
+    ;;
 spec)
     step "bench-spec${2:+ T=$2}" "${SPEC_LIMIT_S:-560}" python3 -c "import sys
 from kdspec.engine.bench import runner, spec
@@ -101,7 +113,7 @@ print(runner.format_table(spec.run(temperatures=t, budgets=tuple(int(x) for x in
     tail -n 60 "$log"
     ;;
 *)
-    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, profile-step, spec)" >&2
+    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, profile-step, profile-kernels, invariance, spec)" >&2
     exit 2
     ;;
 esac

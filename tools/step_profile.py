@@ -1,9 +1,12 @@
 """Where a decode step's host time goes (issue #19): k2-mini (bf16 weights) on the device model, the engine's
 own AR run as the oracle's golden (as `kdtree bench e2e` does), then one AR decode and one DDTree oracle decode
 at each budget under cProfile, after warm-up runs that compile every kernel. Prints the per-step stage times and,
-per run, the functions with the most own time and the most time inside them.
+per run, the functions with the most own time and the most time inside them. With ``--kernels``: torch's
+profiler instead of cProfile, and per run the GPU kernels with the most GPU time per step (where the device
+time goes, not the host's).
 
     python3 -W ignore tools/step_profile.py [--model k2-mini] [--budgets 7,63] [--tokens 64] [--top 30] [--out DIR]
+                                            [--kernels] [--variant]
 
 Run on the GPU machine; ``--out`` also writes each run's pstats dump (snakeviz / pstats can read it).
 """
@@ -25,6 +28,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--kernels", action="store_true", help="GPU time per kernel (torch profiler)")
+    parser.add_argument("--variant", action="store_true",
+                        help="the bf16 model without batch invariance (the forward before issue #19)")
     args = parser.parse_args()
     from kdspec.engine.decode.config import DecodeConfig
     from kdspec.engine.decode.drafters import parse_drafter
@@ -37,7 +43,8 @@ def main() -> None:
     from kdspec.traces.schema import STAGES
 
     cfg = PRESETS[args.model]
-    model = DeviceModel(cfg, SeededWeights(cfg, 0), "sim" if ON_SIMULATOR else "cuda", weight_dtype="bfloat16")
+    model = DeviceModel(cfg, SeededWeights(cfg, 0), "sim" if ON_SIMULATOR else "cuda", weight_dtype="bfloat16",
+                        batch_invariant=not args.variant)
     ops = DeviceTreeOps()
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 32).astype(np.int64)
     block = 8
@@ -50,6 +57,9 @@ def main() -> None:
         runs[f"DDTree oracle B={budget}"] = (lambda c=config, d=drafter: generate(model, prompt, c, d, tree_ops=ops))
     for decode in runs.values():   # compile every kernel of every run before profiling
         decode()
+    if args.kernels:
+        kernel_tables(runs, args.top)
+        return
     summary = []
     for name, decode in runs.items():
         profiler = cProfile.Profile()
@@ -69,6 +79,31 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             stats.dump_stats(args.out / (name.replace(" ", "_").replace("=", "") + ".pstats"))
     print("\n".join(summary))
+
+
+def kernel_tables(runs: dict, top: int) -> None:
+    """Per run: GPU milliseconds per step of the ``top`` kernels (and copies) with the most GPU time, from
+    torch's profiler (CUPTI sees Numba's kernels and cuBLAS's alike), and the step's total GPU busy time."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    for name, decode in runs.items():
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            result = decode()
+        per_kernel = defaultdict(float)
+        calls = defaultdict(int)
+        for event in profiler.events():
+            if event.device_type == DeviceType.CUDA:
+                key = event.name[:90]
+                per_kernel[key] += (event.time_range.end - event.time_range.start) * 1e-3
+                calls[key] += 1
+        total = sum(per_kernel.values())
+        print(f"===== {name}: {result.steps} steps, tau {result.mean_tau:.2f}, GPU time {total / result.steps:.3f} "
+              f"ms/step (kernels summed)")
+        for key, ms in sorted(per_kernel.items(), key=lambda item: -item[1])[:top]:
+            print(f"  {ms / result.steps:8.3f} ms/step {100 * ms / total:5.1f}% {calls[key] / result.steps:6.1f} "
+                  f"calls/step  {key}")
 
 
 if __name__ == "__main__":

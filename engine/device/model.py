@@ -10,6 +10,13 @@ logits.py the logits left on the device.
 
 Shapes (DeepSeek letters): s tokens, h heads, d hidden, c kv_lora_rank, n nope, r rope, v v_head_dim,
 e experts, f moe_intermediate_size. Activations are float32; the cache is one array [layers, capacity, c + r].
+
+Batch invariance (on by default with bf16 weights): every row of a forward gets the bits it would get in a
+forward of any other number of rows, so a tree-verify forward equals the 1-row AR forwards of each node's path
+bit for bit and DDTree's output is the engine's own AR output in bf16 too. The dense products run at one fixed
+row count (ops.TorchOps' fixed_rows), attention through attention/invariant.py (keys in compacted order);
+everything else is per row already (norms, RoPE, router, the grouped experts, whose launch shape does not
+depend on the token count).
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from kdspec.engine.model.weights import SeededWeights, check_weights
 from kdspec.numba_kernels import embedding, kv_write, rmsnorm, rope
 from kdspec.numba_kernels.attention.common import causal_visibility, pack_visibility
 from kdspec.numba_kernels.attention.dispatch import mla_attention
+from kdspec.numba_kernels.attention.invariant import mla_attention_invariant, visible_keys
 from kdspec.numba_kernels.host_arrays import is_device_array
 from kdspec.numba_kernels.moe import experts as moe_experts
 from kdspec.numba_kernels.moe import router as moe_router
@@ -34,21 +42,25 @@ from kdspec.numba_kernels.tree import compact as kv_compact
 
 MAX_CAUSAL_MASKS = 16  # token counts whose causal mask stays on the device
 MAX_GRAPH_SHAPES = 8  # token counts with captured graphs (AR: 1; DDTree: the verify size; a few cut trees)
+INVARIANT_ROWS = 256  # rows of every dense product in batch-invariant mode (a tree of budget 255 in one call)
 
 
 class DeviceModel:
     """The model protocol on the Numba kernels. ``backend`` "cuda" (torch + a GPU) or "sim" (simulator);
-    ``graphs``: on cuda, replay captured CUDA graphs of the layer stack (engine/cuda_graphs.py)."""
+    ``graphs``: on cuda, replay captured CUDA graphs of the layer stack (engine/cuda_graphs.py);
+    ``batch_invariant``: see the module docstring (None: on with bf16 weights, off with fp32)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str, weight_dtype: str = "float32",
-                 graphs: bool = True):
+                 graphs: bool = True, batch_invariant: bool | None = None):
         if backend not in ("cuda", "sim"):
             raise ValueError(f"device backend must be 'cuda' or 'sim', got {backend!r}")
         if weight_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"weight_dtype must be 'float32' or 'bfloat16', got {weight_dtype!r}")
         check_weights(cfg, weights)
         self.cfg, self.backend, self.weight_dtype = cfg, backend, weight_dtype
-        self.ops = SimOps() if backend == "sim" else TorchOps(weight_dtype)
+        self.batch_invariant = weight_dtype == "bfloat16" if batch_invariant is None else bool(batch_invariant)
+        self.ops = (SimOps(row_by_row=self.batch_invariant) if backend == "sim"
+                    else TorchOps(weight_dtype, INVARIANT_ROWS if self.batch_invariant else None))
         self.max_cache_rows = cfg.max_position_embeddings
         ops, bf16 = self.ops, weight_dtype == "bfloat16"
         # A seeded preset on cuda is drawn on the GPU, tensor by tensor (the host's bits, no host copy and no
@@ -166,6 +178,7 @@ class DeviceModel:
             mask = visibility
         else:
             mask = ops.upload(pack_visibility(np.asarray(visibility, dtype=bool)))
+        keys = visible_keys(mask, cache.length, s) if self.batch_invariant else None  # one table, every layer
         graphs = self._graphs_for(s)
         if graphs is None:
             state = self._new_state(s)
@@ -174,7 +187,7 @@ class DeviceModel:
             for k in range(len(self.layers) + 1):
                 self._run_segment(k, state, 0)
                 if k < len(self.layers):
-                    self._attend(k, state, cache, mask)
+                    self._attend(k, state, cache, mask, keys)
         else:
             state = graphs.state
             state["tokens"].copy_to_device(tokens)
@@ -182,7 +195,7 @@ class DeviceModel:
             for k in range(len(self.layers) + 1):
                 graphs.replay(k)
                 if k < len(self.layers):
-                    self._attend(k, state, cache, mask)
+                    self._attend(k, state, cache, mask, keys)
         start = cache.length
         for slot in range(len(cache.hidden_layers)):
             cache.hidden[slot, start:start + s].copy_to_device(state[("hidden", slot)])
@@ -264,13 +277,18 @@ class DeviceModel:
         state[("q_lat", k)] = ops.heads_matmul(q[:, :, :n], layer["w_uk"], transpose_w=False)  # [s, h, c]
         state[("kv_a", k)] = ops.linear(normed, layer["kv_a"])
 
-    def _attend(self, i: int, state: dict, cache: DeviceCache, mask) -> None:
-        """Layer i's cache write and attention (eager: both take the cache length as a launch scalar)."""
+    def _attend(self, i: int, state: dict, cache: DeviceCache, mask, keys) -> None:
+        """Layer i's cache write and attention (eager: both take the cache length as a launch scalar); ``keys``:
+        the compacted key table of batch-invariant mode (None otherwise)."""
         cfg = self.cfg
         kv_write.write_kv_rows(cache.kv, i, cache.length, state[("kv_a", i)], self.layers[i]["kv_norm"],
                                cfg.rms_norm_eps, self.rope, state["positions"])
-        mla_attention(state[("q_lat", i)], state[("q_pe", i)], cache.kv[i], cache.length, mask,
-                                    cfg.softmax_scale, out=state["o_lat"])
+        if keys is not None:
+            mla_attention_invariant(state[("q_lat", i)], state[("q_pe", i)], cache.kv[i], cache.length, mask,
+                                    cfg.softmax_scale, keys=keys, out=state["o_lat"])
+        else:
+            mla_attention(state[("q_lat", i)], state[("q_pe", i)], cache.kv[i], cache.length, mask,
+                          cfg.softmax_scale, out=state["o_lat"])
 
     def _dense_ffn(self, layer, x, stream):
         gate_up = self.ops.linear(x, layer["ffn_gate_up"])

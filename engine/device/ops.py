@@ -1,10 +1,14 @@
 """Backend ops of the device model: uploads and the dense products (the vendor-BLAS half of the forward).
 
-SimOps (backend ``sim``): simulator device arrays, dense products in numpy float32 BLAS on host copies.
+SimOps (backend ``sim``): simulator device arrays, dense products in numpy float32 BLAS on host copies
+(row_by_row: one BLAS call per row, so a row's result never depends on the row count: batch-invariant mode).
 TorchOps (backend ``cuda``): dense products through cuBLAS (torch); Numba kernels share torch's stream.
 Both: upload(a, bf16), dense_weight(w), linear(x [s, in], w [out, in]) -> [s, out], heads_matmul(x [s, h, a],
 w) -> [s, h, b], to_host(x); TorchOps also copy(x), device_view(t) and the graph machinery (segment_graphs).
 TorchOps' upload and dense_weight also take float32 torch tensors already on the GPU (weights drawn there).
+TorchOps(fixed_rows=R) runs every product over exactly R rows (zero-padded; more rows in chunks of R), so that
+cuBLAS, which picks its kernel (tiles, split-K) by shape, computes a row the same way whatever the number of
+rows in the call: the batch-invariant mode of the device model.
 """
 from __future__ import annotations
 
@@ -19,6 +23,15 @@ class SimOps:
 
     name = "sim"
 
+    def __init__(self, row_by_row: bool = False):
+        self.row_by_row = row_by_row
+
+    def _rows(self, product, x):
+        """product(x) for x [s, ...] on the host: in one call, or one call per row."""
+        if not self.row_by_row:
+            return product(x)
+        return np.concatenate([product(x[i:i + 1]) for i in range(x.shape[0])]) if x.shape[0] else product(x)
+
     def upload(self, a: np.ndarray, bf16: bool = False):
         """A device copy of host array ``a`` (bf16: as uint16 bf16 bit patterns, the kernels' bf16 storage)."""
         return cuda.to_device(float32_to_bf16_bits(a) if bf16 else np.ascontiguousarray(a))
@@ -32,13 +45,13 @@ class SimOps:
 
     def linear(self, x, w):
         """x [s, in] device, w [out, in] -> device [s, out]."""
-        return cuda.to_device(self._host(x) @ w.T)
+        return cuda.to_device(self._rows(lambda rows: rows @ w.T, self._host(x)))
 
     def heads_matmul(self, x, w, transpose_w: bool):
         """Per head: x [s, h, a] @ w[h] ([h, a, b], or [h, b, a] transposed) -> device [s, h, b]."""
         xh = self._host(x)
-        return cuda.to_device(np.ascontiguousarray(np.einsum("sha,hba->shb" if transpose_w else "sha,hab->shb",
-                                                             xh, w)))
+        return cuda.to_device(np.ascontiguousarray(self._rows(
+            lambda rows: np.einsum("sha,hba->shb" if transpose_w else "sha,hab->shb", rows, w), xh)))
 
     def to_host(self, x) -> np.ndarray:
         return np.array(self._host(x))
@@ -60,10 +73,13 @@ class TorchOps:
 
     name = "cuda"
 
-    def __init__(self, weight_dtype: str):
+    def __init__(self, weight_dtype: str, fixed_rows: int | None = None):
         import torch
         self.torch = torch
         self.weight_dtype = torch.bfloat16 if weight_dtype == "bfloat16" else torch.float32
+        if fixed_rows is not None and fixed_rows < 1:
+            raise ValueError(f"fixed_rows must be >= 1, got {fixed_rows}")
+        self.fixed_rows = fixed_rows
         from kdspec.engine.device import cuda_graphs  # GPU only (the simulator has no memory-manager plugins)
         cuda_graphs.use_torch_allocator()  # graph capture needs it; eager launches allocate faster too
         self.segment_graphs = cuda_graphs.SegmentGraphs
@@ -114,13 +130,29 @@ class TorchOps:
         except (TypeError, NotImplementedError, RuntimeError):  # torch < 2.9, or no such kernel here
             return op(a, b).float()
 
+    def _rows_fixed(self, op, a, b):
+        """op(a, b) over a's rows (dimension -2) in calls of exactly fixed_rows rows, the last zero-padded."""
+        rows, fixed = a.shape[-2], self.fixed_rows
+        if fixed is None or rows == fixed:
+            return self._product(op, a, b)
+        parts = []
+        for start in range(0, rows, fixed):
+            chunk = a[..., start:start + fixed, :]
+            if chunk.shape[-2] < fixed:
+                padded = a.new_zeros((*a.shape[:-2], fixed, a.shape[-1]))
+                padded[..., :chunk.shape[-2], :] = chunk
+                chunk = padded
+            parts.append(self._product(op, chunk, b))
+        out = parts[0] if len(parts) == 1 else self.torch.cat(parts, dim=-2)
+        return out[..., :rows, :]
+
     def linear(self, x, w):
-        out = self._product(self.torch.mm, self._x(x, w), w.t())
+        out = self._rows_fixed(self.torch.mm, self._x(x, w), w.t())
         return self._numba(out.contiguous())
 
     def heads_matmul(self, x, w, transpose_w: bool):
         xh = self._x(x, w).transpose(0, 1)  # [h, s, a]
-        out = self._product(self.torch.bmm, xh, w.transpose(1, 2) if transpose_w else w)  # [h, s, b]
+        out = self._rows_fixed(self.torch.bmm, xh, w.transpose(1, 2) if transpose_w else w)  # [h, s, b]
         return self._numba(out.transpose(0, 1).contiguous())
 
     def to_host(self, x) -> np.ndarray:

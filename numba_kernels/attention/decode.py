@@ -17,6 +17,11 @@ KEYS key rows with two syncthreads per chunk:
      (the rows the score phase just read: L1 / L2 hits), VALUE_UNROLL rows' loads in flight at a time.
 One key row read serves HEADS query rows (all heads share it: multi-query attention). Splits write a
 normalised partial o and its log-sum-exp, combined by mla_attention.merge_splits_kernel.
+With ``compact_keys`` (attention/invariant.py, the batch-invariant path) the block's rows are one token's and
+its keys are numbered in compacted order: key t < P is cache row t, key t >= P the (t - P)-th in-flight row
+the token sees (key_rows[token, t - P], key_counts[token] of them); the visibility mask is not read. A row's
+chunks then hold the same keys at the same slots however many tokens share the launch and wherever its
+in-flight rows sit, so its result does not depend on either.
 Under the CUDA simulator (no shuffles) the warp sums go through shared memory, and "warps" are LANES wide.
 Dimension letters: s query tokens, h heads, c kv_lora_rank, r qk_rope_head_dim, t key rows.
 """
@@ -82,6 +87,7 @@ class DecodeConfig(NamedTuple):
     min_keys_per_split: int = 64
     blocks_per_sm: int = 2       # blocks an SM runs at once: the register cap (launch bound) and the split count
     fastmath: bool = False
+    compact_keys: bool = False   # keys in compacted order through key_rows / key_counts (module docstring)
 
     @property
     def warps(self) -> int:
@@ -137,7 +143,15 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
     VALUE_REGS, KEY_REGS, V_REGS = HB * VC, KG * DJ, VU * VC
     Q_LOADS = -(-Q_SIZE // T)                   # q staging: loads per thread
     VECTOR_P = HB % 4 == 0                      # values: p of 4 heads per shared load
+    COMPACT = config.compact_keys
     compile_options = {} if ON_SIMULATOR else dict(launch_bounds=(T, config.blocks_per_sm))
+
+    @device_function(inline=True)
+    def cache_row(key, prefix_len, token, key_rows):
+        """The cache row holding key number ``key`` (compacted order: the token's visible in-flight rows)."""
+        if COMPACT and key >= prefix_len:
+            return key_rows[token, key - prefix_len]
+        return key
 
     @device_function(**INLINE_DEVICE)
     def halve_partials(step, args):
@@ -234,10 +248,11 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
         return value
 
     @kernel_cache.jit(fastmath=config.fastmath, **compile_options)
-    def mla_attention_decode_kernel(q_lat, q_pe, cache, prefix_len, visibility, scale, keys_per_split, direct,
-                                    out, o_part, lse_part):
+    def mla_attention_decode_kernel(q_lat, q_pe, cache, prefix_len, visibility, key_rows, key_counts, scale,
+                                    keys_per_split, direct, out, o_part, lse_part):
         """q_lat float32 [s, h, c]; q_pe float32 [s, h, r]; cache float32 [t, c+r] C-contiguous (rows < P + s
-        read); visibility uint32 [s, ceil(s/32)]; scale float32. Grid (ceil(s*h / HEADS), splits), THREADS.
+        read); visibility uint32 [s, ceil(s/32)]; compact_keys only: key_rows int32 [s, >= s] and key_counts
+        int32 [s] (otherwise not read); scale float32. Grid (ceil(s*h / HEADS), splits), THREADS.
         direct: write out (flat [s*h*c]); else o_part (flat [splits*s*h*c], normalised) and lse_part (flat
         [splits*s*h]; -inf and zeros where the row sees nothing in the split)."""
         tid = cuda.threadIdx.x
@@ -249,7 +264,9 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
         rows = tokens * heads
         row0 = cuda.blockIdx.x * HB
         key_begin = split * keys_per_split
-        key_end = min(prefix_len + tokens, key_begin + keys_per_split)
+        block_token = row0 // heads  # compact_keys: every row of the block is this token's
+        keys = prefix_len + (key_counts[block_token] if COMPACT else tokens)
+        key_end = min(keys, key_begin + keys_per_split)
         n_chunks = (max(key_end - key_begin, 0) + KC - 1) // KC
 
         q_s = cuda.shared.array(Q_SIZE, float32)         # q rows [HEADS, QW]
@@ -287,9 +304,10 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
                 n0 = (group * W + warp) * KG
                 for g in range(KG):
                     key = chunk_begin + n0 + g
+                    row_of_key = cache_row(key, prefix_len, block_token, key_rows) if key < key_end else 0
                     for j in range(DJ):
                         d = lane + L * j
-                        key_val[g * DJ + j] = at(cache, key * width + d) if key < key_end and d < width \
+                        key_val[g * DJ + j] = at(cache, row_of_key * width + d) if key < key_end and d < width \
                             else float32(0.0)
                 for i in range(N):
                     part[i] = 0.0
@@ -310,7 +328,7 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
                 for m in range(KPL):
                     n = lane + L * m
                     key = chunk_begin + n
-                    if live and key < key_end and key_visible(token, key, prefix_len, visibility):
+                    if live and key < key_end and (COMPACT or key_visible(token, key, prefix_len, visibility)):
                         local_max = max(local_max, at(score_s, hb * KC + n) * scale)
                 new_max = max(run_max[j], warp_max_sum(local_max, False, scratch))
                 local_sum = float32(0.0)
@@ -318,7 +336,7 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
                     n = lane + L * m
                     key = chunk_begin + n
                     p = float32(0.0)
-                    if live and key < key_end and key_visible(token, key, prefix_len, visibility):
+                    if live and key < key_end and (COMPACT or key_visible(token, key, prefix_len, visibility)):
                         p = math.exp(at(score_s, hb * KC + n) * scale - new_max)
                     local_sum += p
                     if hb < HB:
@@ -339,9 +357,10 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
             for n0 in range(0, chunk_keys, VU):
                 for u in range(VU):
                     key = chunk_begin + n0 + u
+                    row_of_key = cache_row(key, prefix_len, block_token, key_rows) if n0 + u < chunk_keys else 0
                     for k in range(VC):
                         column = tid + T * k
-                        v_val[u * VC + k] = at(cache, key * width + column) \
+                        v_val[u * VC + k] = at(cache, row_of_key * width + column) \
                             if n0 + u < chunk_keys and column < latent else float32(0.0)
                 for u in range(VU):
                     n = min(n0 + u, KC - 1)  # p is 0 past chunk_keys (the values too)
@@ -435,17 +454,31 @@ def mla_attention_decode(q_lat, q_pe, cache_layer, prefix_len: int, visibility, 
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     keys_per_split = -(-total_keys // splits)
     keys_per_split = -(-keys_per_split // config.keys) * config.keys  # whole chunks
-    splits = -(-total_keys // keys_per_split)  # rounding may leave fewer splits
+    # Not read without compact_keys: any int32 arrays of the kernel's ranks will do, so none is allocated.
+    unused_rows = visibility.view(np.int32)
+    return launch_decode(config, q_lat, q_pe, cache_layer, prefix_len, visibility, unused_rows,
+                         unused_rows.reshape(-1), scale, keys_per_split, total_keys, out, stream)
+
+
+def launch_decode(config: DecodeConfig, q_lat, q_pe, cache_layer, prefix_len: int, visibility, key_rows,
+                  key_counts, scale: float, keys_per_split: int, total_keys: int, out, stream):
+    """Launch the decode kernel of ``config`` on checked device arguments (see the kernel's docstring), key
+    ranges of keys_per_split keys (a multiple of config.keys) up to total_keys, and merge the splits into
+    ``out`` when there are several. Returns out."""
+    tokens, heads, latent = q_lat.shape
+    rows = tokens * heads
+    splits = -(-total_keys // keys_per_split)
     kernel = decode_kernel(config)
-    grid = (row_groups, splits)
+    grid = (-(-rows // config.heads), splits)
     if splits == 1:
         flat_out = out.reshape(-1)  # also stands in for the partials (not written when direct)
-        launch(kernel, grid, config.threads, stream, q_lat, q_pe, cache_layer, prefix_len, visibility,
-               np.float32(scale), keys_per_split, True, flat_out, flat_out, flat_out)
+        launch(kernel, grid, config.threads, stream, q_lat, q_pe, cache_layer, prefix_len, visibility, key_rows,
+               key_counts, np.float32(scale), keys_per_split, True, flat_out, flat_out, flat_out)
         return out
     o_part = cuda.device_array((splits, tokens, heads, latent), dtype=np.float32, stream=stream)
     lse_part = cuda.device_array((splits, tokens, heads), dtype=np.float32, stream=stream)
-    launch(kernel, grid, config.threads, stream, q_lat, q_pe, cache_layer, prefix_len, visibility, np.float32(scale),
-           keys_per_split, False, out.reshape(-1), o_part.reshape(-1), lse_part.reshape(-1))
+    launch(kernel, grid, config.threads, stream, q_lat, q_pe, cache_layer, prefix_len, visibility, key_rows,
+           key_counts, np.float32(scale), keys_per_split, False, out.reshape(-1), o_part.reshape(-1),
+           lse_part.reshape(-1))
     launch(merge_splits_kernel, row_blocks(rows), MERGE_THREADS, stream, o_part, lse_part, splits, out)
     return out

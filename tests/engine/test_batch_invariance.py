@@ -1,0 +1,68 @@
+"""Batch invariance of the device model (bf16 weights): a random tree verified in one forward gives every node
+the logits, bit for bit, of the 1-row AR forwards that decode its root -> node path one token at a time after
+the same prompt. This is what makes DDTree's output the engine's own AR output in bf16 (issue #19).
+
+Under the CUDA simulator on `tiny` and `small` (odd head count); on a GPU the same test runs for real, and the
+`gpu` case runs k2-mini (Kimi K2 per-layer dimensions, bf16 weights drawn on the GPU) with trees of 64 and 256
+nodes, and 300 (more rows than one fixed-size product: two chunks).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kdspec.engine.device.model import DeviceModel
+from kdspec.engine.model.config import PRESETS
+from kdspec.engine.model.weights import SeededWeights, random_weights
+
+
+def random_tree(rng, nodes: int):
+    """parents (parent[0] = -1; half the nodes extend the previous one, so some paths run deep) and the bool
+    [s, s] visibility: node i sees itself and its ancestors."""
+    parents = np.full(nodes, -1)
+    visible = np.eye(nodes, dtype=bool)
+    for i in range(1, nodes):
+        parents[i] = i - 1 if rng.random() < 0.5 else rng.integers(0, i)
+        visible[i] |= visible[parents[i]]
+    return parents, visible
+
+
+def assert_tree_rows_equal_ar_steps(model: DeviceModel, prompt_len: int, nodes: int, seed: int) -> None:
+    cfg = model.cfg
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, cfg.vocab_size, prompt_len)
+    parents, visible = random_tree(rng, nodes)
+    depths = visible.sum(axis=1) - 1
+    tokens = rng.integers(0, cfg.vocab_size, nodes)
+    cache = model.new_cache(prompt_len + nodes + 1)
+    model.forward(cache, prompt, np.arange(prompt_len))
+    model.commit(cache, prompt_len)
+    verified = np.array(np.asarray(model.forward(cache, tokens, prompt_len + depths, visible)))  # not committed
+    assert np.isfinite(verified).all()
+    for node in range(nodes):
+        path = np.flatnonzero(visible[node])  # root .. node, ascending
+        for step, row in enumerate(path):
+            logits = model.forward(cache, tokens[row:row + 1], np.array([prompt_len + step]))
+            model.commit(cache, 1)
+        alone = np.asarray(logits)[0]
+        cache.length = prompt_len  # the next path starts after the prompt again
+        differing = np.flatnonzero(alone.view(np.uint32) != verified[node].view(np.uint32))
+        assert differing.size == 0, (f"node {node} (depth {depths[node]}): {differing.size} logits differ, max "
+                                     f"|diff| {np.abs(alone - verified[node]).max():.3g}")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_tree_verify_equals_ar_steps_bit_for_bit(preset, device_backend):
+    cfg = PRESETS[preset]
+    model = DeviceModel(cfg, random_weights(cfg, 0), device_backend, weight_dtype="bfloat16")
+    assert model.batch_invariant
+    assert_tree_rows_equal_ar_steps(model, prompt_len=7, nodes=10, seed=1)
+
+
+@pytest.mark.gpu
+def test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit():
+    cfg = PRESETS["k2-mini"]
+    model = DeviceModel(cfg, SeededWeights(cfg, 0), "cuda", weight_dtype="bfloat16")
+    for nodes, seed in ((64, 1), (256, 2), (300, 3)):
+        assert_tree_rows_equal_ar_steps(model, prompt_len=40, nodes=nodes, seed=seed)

@@ -1,0 +1,131 @@
+"""The batch-invariant MLA attention (numba_kernels/attention/invariant.py).
+
+- against the float64 reference (random trees, prefixes across split boundaries, NaN-poisoned outputs, cache
+  rows past the in-flight ones NaN);
+- the property it exists for: every node of a random tree, verified in one launch, has the bits of the 1-row
+  AR step that decodes the same token after its root -> node path was committed (the path's rows moved to the
+  end of the prefix), whether the row's keys fit one split or several;
+- the compacted key table against numpy.
+Simulator tests use toy sizes; the GPU test uses Kimi K2's c = 512, r = 64, h = 64.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+from kdspec.engine.bench.attention import random_tree_visibility
+from kdspec.engine.golden.layers import mla_attention_latent
+from kdspec.numba_kernels.attention.common import pack_visibility
+from kdspec.numba_kernels.attention.decode import DEFAULT_CONFIG
+from kdspec.numba_kernels.attention.invariant import (
+    KEYS_PER_SPLIT,
+    invariant_config,
+    mla_attention_invariant,
+    visible_keys,
+)
+
+from kernel_checks import assert_close, normal, poisoned
+
+SCALE = 0.37
+
+
+def inputs(rng, tokens, heads, latent, rope, prefix, spare_rows=3):
+    """q_lat, q_pe, and a cache whose rows past the in-flight ones are NaN (never read)."""
+    cache = normal(rng, prefix + tokens + spare_rows, latent + rope)
+    cache[prefix + tokens:] = np.nan
+    return normal(rng, tokens, heads, latent), normal(rng, tokens, heads, rope), cache
+
+
+def verify(q_lat, q_pe, cache, prefix, visible):
+    tokens, heads, latent = q_lat.shape
+    return mla_attention_invariant(q_lat, q_pe, cache, prefix, pack_visibility(visible), SCALE,
+                                   out=poisoned((tokens, heads, latent))).copy_to_host()
+
+
+def ar_step(q_lat, q_pe, cache, prefix, visible, node):
+    """The output of node's token decoded alone: the prefix, then its path (ancestors and itself) as committed
+    rows, the last of them in flight."""
+    path = np.flatnonzero(visible[node])
+    rows = np.concatenate([cache[:prefix], cache[prefix + path]])
+    heads, latent = q_lat.shape[1], q_lat.shape[2]
+    return mla_attention_invariant(q_lat[node:node + 1], q_pe[node:node + 1], rows, len(rows) - 1,
+                                   pack_visibility(np.ones((1, 1), bool)), SCALE,
+                                   out=poisoned((1, heads, latent))).copy_to_host()[0]
+
+
+def assert_rows_are_ar_steps(rng, tokens, heads, latent, rope, prefix):
+    visible = random_tree_visibility(tokens, rng)
+    q_lat, q_pe, cache = inputs(rng, tokens, heads, latent, rope, prefix)
+    together = verify(q_lat, q_pe, cache, prefix, visible)
+    assert np.isfinite(together).all()
+    for node in range(tokens):
+        alone = ar_step(q_lat, q_pe, cache, prefix, visible, node)
+        assert np.array_equal(alone.view(np.uint32), together[node].view(np.uint32)), (
+            f"node {node} (depth {visible[node].sum() - 1}): max |diff| {np.abs(alone - together[node]).max():.3g}")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("tokens, heads, latent, rope, prefix", [
+    (1, 2, 16, 4, 0),                       # the first token: one key
+    (1, 3, 16, 4, KEYS_PER_SPLIT + 5),      # odd heads (one head per block), two splits
+    (6, 2, 13, 2, 21),                      # c + r not a multiple of the lanes
+    (40, 1, 8, 2, KEYS_PER_SPLIT - 20),     # more tokens than one mask word; rows cross the split boundary
+])
+def test_invariant_attention_matches_reference(tokens, heads, latent, rope, prefix):
+    rng = np.random.default_rng(tokens * 100 + prefix + heads)
+    visible = random_tree_visibility(tokens, rng)
+    q_lat, q_pe, cache = inputs(rng, tokens, heads, latent, rope, prefix)
+    keys = cache[:prefix + tokens]
+    full = np.concatenate([np.ones((tokens, prefix), bool), visible], axis=1)
+    expected = mla_attention_latent(q_lat, q_pe, keys[:, :latent], keys[:, latent:], full, SCALE)
+    assert_close(verify(q_lat, q_pe, cache, prefix, visible), expected, 1e-5)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("tokens, heads, prefix", [
+    (12, 2, 5),                    # one split for everyone
+    (12, 2, KEYS_PER_SPLIT - 6),   # deep rows spill into a second split, shallow ones do not
+    (9, 3, 2 * KEYS_PER_SPLIT),    # three splits, one head per block
+])
+def test_tree_rows_equal_their_ar_steps_bit_for_bit(tokens, heads, prefix):
+    assert_rows_are_ar_steps(np.random.default_rng(7 + tokens + prefix), tokens, heads, 16, 4, prefix)
+
+
+@pytest.mark.sim
+def test_visible_key_table():
+    rng = np.random.default_rng(3)
+    tokens, prefix = 37, 11
+    visible = random_tree_visibility(tokens, rng)
+    table = visible_keys(pack_visibility(visible), prefix, tokens)
+    rows, counts = table.rows.copy_to_host(), table.counts.copy_to_host()
+    for token in range(tokens):
+        expected = prefix + np.flatnonzero(visible[token])
+        assert counts[token] == len(expected)
+        assert np.array_equal(rows[token, :counts[token]], expected)
+
+
+@pytest.mark.sim
+def test_block_heads_are_the_largest_power_of_two_dividing_the_heads():
+    for heads in (1, 2, 3, 5, 6, 12, 64, 128):
+        config = invariant_config(heads)
+        block = config.heads
+        assert config.compact_keys and heads % block == 0 and block <= DEFAULT_CONFIG.heads
+        assert 2 * block > DEFAULT_CONFIG.heads or heads % (2 * block), (heads, block)
+
+
+@pytest.mark.sim
+def test_rejects_a_mask_of_the_wrong_shape():
+    with pytest.raises(ValueError, match="visibility"):
+        visible_keys(cuda.to_device(np.zeros((3, 1), np.uint32)), 0, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, prefix", [(64, 100), (64, KEYS_PER_SPLIT - 30), (256, 40)])
+def test_k2_dims_rows_equal_their_ar_steps_and_the_reference(tokens, prefix):
+    rng = np.random.default_rng(tokens + prefix)
+    assert_rows_are_ar_steps(rng, tokens, 64, 512, 64, prefix)
+    visible = random_tree_visibility(tokens, rng)
+    q_lat, q_pe, cache = inputs(rng, tokens, 64, 512, 64, prefix)
+    keys = cache[:prefix + tokens]
+    full = np.concatenate([np.ones((tokens, prefix), bool), visible], axis=1)
+    expected = mla_attention_latent(q_lat, q_pe, keys[:, :512], keys[:, 512:], full, SCALE)
+    assert_close(verify(q_lat, q_pe, cache, prefix, visible), expected, 1e-5)
