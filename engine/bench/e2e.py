@@ -42,6 +42,8 @@ DRAFTERS = ("oracle", "noisy:0.7")
 REPEATS = 3               # timed decodes per configuration: the median run is reported
 ROOFLINE_FACTOR = 2.0      # a step within 2x of its roofline
 HOST_TARGET = 0.3e-3       # seconds of host time per DDTree step (wall time the GPU is idle)
+# Issue #19's speed targets, DDTree tokens/s over AR's: (drafter, budgets, least ratio, strictly above it)
+SPEED_TARGETS = (("oracle", (7,), 4.5, False), ("oracle", (255,), 1.0, True), ("noisy:0.7", (7, 15, 31, 63), 1.0, True))
 HF_TARGET = 2.0            # engine AR >= 2x HF transformers AR
 WEIGHT_BYTES = 2           # bf16 storage of every linear weight on the device
 
@@ -324,11 +326,24 @@ def _ddtree_runs(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) -> di
     return ddtree
 
 
+def speed_target(spec: str, budget: int) -> tuple[str, object]:
+    """(target text, predicate on the ratio to AR) of a DDTree run: SPEED_TARGETS, or none."""
+    for drafter, budgets, least, strictly in SPEED_TARGETS:
+        if drafter == spec and budget in budgets:
+            return (f"> {least:g}x AR" if strictly else f">= {least:g}x AR",
+                    (lambda r: r > least) if strictly else (lambda r: r >= least))
+    return "", None
+
+
 def _ddtree_row(spec: str, budget: int, result, ar, ar_rate: float, new_tokens: int) -> dict:
+    """The run's tokens/s against AR's; target: its output equals AR's (every run) and SPEED_TARGETS."""
     rate, step = decode_rate(result)
     same = int(np.sum(result.tokens == ar.tokens[:new_tokens]))
     stages = ", ".join(f"{s} {result.stage_times[s] / result.steps * 1e3:.3g}" for s in STAGES)
+    speed, fast_enough = speed_target(spec, budget)
+    ok = same == new_tokens and (fast_enough is None or fast_enough(rate / ar_rate))
     return row(SUITE, f"DDTree {spec} B={budget} tokens/s", rate, "tok/s", peer="engine AR", peer_value=ar_rate,
+               target=f"output = AR{', ' + speed if speed else ''}", ok=ok,
                note=f"tau {result.mean_tau:.2f}; {step * 1e3:.3g} ms/step ({stages} ms); "
                     f"{same}/{new_tokens} tokens = AR")
 

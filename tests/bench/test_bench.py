@@ -87,9 +87,21 @@ def test_e2e_and_trace_quick():
     metrics = [r["metric"] for r in e2e]
     assert metrics[0] == "AR tokens/s" and any(m.startswith("DDTree oracle") for m in metrics)
     assert any("roofline" in m for m in metrics) and metrics[-1] == "engine AR vs HF transformers AR"
+    oracle = next(r for r in e2e if r["metric"].startswith("DDTree oracle"))
+    assert oracle["target"] == "output = AR" and oracle["ok"] is True, oracle  # 4/4 tokens = AR (tiny, fp32)
     trace = check_rows(rows, "trace", count=4)
     assert [r["unit"] for r in trace] == ["%", "B", "%", "B"]
     assert all(r["value"] > 0 for r in trace if r["unit"] == "B")
+
+
+def test_ddtree_speed_targets_are_the_issues():
+    from kdspec.engine.bench.e2e import speed_target
+    text, ok = speed_target("oracle", 7)
+    assert text == ">= 4.5x AR" and ok(4.5) and not ok(4.49)
+    text, ok = speed_target("oracle", 255)
+    assert text == "> 1x AR" and ok(1.01) and not ok(1.0)
+    assert [speed_target("noisy:0.7", b)[0] for b in (7, 15, 31, 63, 127)] == ["> 1x AR"] * 4 + [""]
+    assert speed_target("oracle", 63) == ("", None)
 
 
 # ------------------------------------------------------------------------------------------ roofline
