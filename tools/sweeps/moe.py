@@ -64,6 +64,12 @@ else:
         C(8, 1, 2, 4, 4, 8, 0, True),
         C(8, 1, 2, 2, 8, 8, 0, True),  # 8 tokens a pass, evict-first (k2-mini: 32 experts, several tokens each)
         C(8, 2, 4, 2, 8, 8, 0, True),
+        C(8, 1, 2, 2, 16, 8, 0, True),  # 16 tokens a pass (k2-mini verify trees: ~60 tokens per expert at s=256)
+        C(8, 2, 4, 2, 16, 8, 0, True),
+        C(8, 1, 2, 1, 16, 8, 0, True),
+        C(4, 1, 2, 2, 16, 8, 0, True),
+        C(8, 1, 1, 2, 16, 8, 0, True),
+        C(8, 1, 2, 2, 12, 8, 0, True),
     ]))
     WARMUP, REPEATS = 3, 12
 
