@@ -42,7 +42,7 @@ from kdspec.numba_kernels.tree import compact as kv_compact
 
 MAX_CAUSAL_MASKS = 16  # token counts whose causal mask stays on the device
 MAX_GRAPH_SHAPES = 8  # token counts with captured graphs (AR: 1; DDTree: the verify size; a few cut trees)
-INVARIANT_ROWS = 256  # rows of every dense product in batch-invariant mode (a tree of budget 255 in one call)
+INVARIANT_ROWS = 128  # rows of every dense product in batch-invariant mode (budget 127 in one call, 255 in two)
 
 
 class DeviceModel:

@@ -3,8 +3,8 @@ the logits, bit for bit, of the 1-row AR forwards that decode its root -> node p
 the same prompt. This is what makes DDTree's output the engine's own AR output in bf16 (issue #19).
 
 Under the CUDA simulator on `tiny` and `small` (odd head count); on a GPU the same test runs for real, and the
-`gpu` case runs k2-mini (Kimi K2 per-layer dimensions, bf16 weights drawn on the GPU) with trees of 64 and 256
-nodes, and 300 (more rows than one fixed-size product: two chunks).
+`gpu` case runs k2-mini (Kimi K2 per-layer dimensions, bf16 weights drawn on the GPU) with trees of 64, 256 and
+300 nodes (one, two and three of the dense products' fixed-size row chunks).
 """
 from __future__ import annotations
 
