@@ -2,7 +2,8 @@
 
 Four small kernels, no Python loop over experts, nothing copied back to the host:
 1. ``_plan_pairs`` (one block): counting sort of the s*k (token, slot) pairs by expert -> expert_offsets [e+1],
-   sorted_pairs [P] (pair p = token*k + slot, ascending within each expert), active_experts (ascending).
+   sorted_pairs [P] (pair p = token*k + slot, ascending within each expert: each pair's place is its rank among
+   its expert's pairs), active_experts (ascending).
 2. ``gate_up`` (grid: f row tiles x active experts): act[row, f] = silu(gate x) * up x for every pair of the
    expert, so each expert's gate/up rows are read once per launch for all its tokens (up to tokens_per_pass).
 3. ``down`` (grid: d row tiles x active experts): per-pair outputs pair_out[P, d] = down_e(act[row]).
@@ -299,10 +300,12 @@ def reduce_tokens(acc, n_tokens, scratch):
 
 # --------------------------------------------------------------------------------------- kernels
 @kernel_cache.jit
-def _plan_pairs(expert_ids, n_experts, expert_counts, expert_offsets, sorted_pairs, active_experts, n_active):
+def _plan_pairs(expert_ids, n_experts, expert_counts, expert_offsets, placed_pairs, sorted_pairs, active_experts,
+                n_active):
     """Counting sort of the pairs by expert; one block. expert_ids int32 [s, k] -> expert_offsets [e+1],
     sorted_pairs [P] (ascending within an expert), active_experts [min(e, P)] ascending, n_active [1].
-    expert_counts [e] is scratch (ends as the placement cursors). Out-of-range ids are left out."""
+    expert_counts [e] and placed_pairs [P] are scratch (the placement cursors; each expert's pairs in the order
+    the atomics placed them). Out-of-range ids are left out."""
     tid = cuda.threadIdx.x
     width = cuda.blockDim.x
     k = expert_ids.shape[1]
@@ -355,19 +358,19 @@ def _plan_pairs(expert_ids, n_experts, expert_counts, expert_offsets, sorted_pai
     for p in range(tid, n_pairs, width):
         expert = expert_ids[p // k, p % k]
         if 0 <= expert < n_experts:
-            sorted_pairs[cuda.atomic.add(expert_counts, expert, 1)] = p
-    cuda.syncthreads()  # all pairs placed before the per-expert sorts read them
-    # Atomics placed them in any order: insertion-sort each expert's (short) segment for a fixed layout.
-    for a in range(tid, scan_active[width - 1], width):
-        expert = active_experts[a]
+            placed_pairs[cuda.atomic.add(expert_counts, expert, 1)] = p
+    cuda.syncthreads()  # all pairs placed before their ranks are counted
+    # Atomics placed them in any order; a pair's rank among its expert's pairs is its place in the fixed layout.
+    # One thread per pair, each reading its expert's segment (an insertion sort per expert, one thread each,
+    # took ~1 ms at 64 pairs an expert).
+    for i in range(tid, scan_pairs[width - 1], width):
+        pair = placed_pairs[i]
+        expert = expert_ids[pair // k, pair % k]
         begin = expert_offsets[expert]
-        for i in range(begin + 1, expert_offsets[expert + 1]):
-            pair = sorted_pairs[i]
-            j = i - 1
-            while j >= begin and sorted_pairs[j] > pair:
-                sorted_pairs[j + 1] = sorted_pairs[j]
-                j -= 1
-            sorted_pairs[j + 1] = pair
+        rank = 0
+        for j in range(begin, expert_offsets[expert + 1]):
+            rank += 1 if placed_pairs[j] < pair else 0
+        sorted_pairs[begin + rank] = pair
 
 
 def _make_dot_pass(fmt: WordFormat, n_rows: int, unroll: int, tokens_per_pass: int):
@@ -568,6 +571,7 @@ class ExpertPlan:
 
     expert_counts: object     # int32 [e]
     expert_offsets: object    # int32 [e+1]
+    placed_pairs: object      # int32 [P] (scratch)
     sorted_pairs: object      # int32 [P]
     active_experts: object    # int32 [min(e, P)]
     n_active: object          # int32 [1]
@@ -575,8 +579,8 @@ class ExpertPlan:
     @classmethod
     def allocate(cls, n_experts: int, n_pairs: int, stream=0) -> "ExpertPlan":
         alloc = lambda n: cuda.device_array(n, dtype=np.int32, stream=stream)  # noqa: E731
-        return cls(alloc(n_experts), alloc(n_experts + 1), alloc(n_pairs), alloc(min(n_experts, n_pairs)),
-                   alloc(1))
+        return cls(alloc(n_experts), alloc(n_experts + 1), alloc(n_pairs), alloc(n_pairs),
+                   alloc(min(n_experts, n_pairs)), alloc(1))
 
 
 def plan_pairs(expert_ids, n_experts: int, plan: ExpertPlan | None = None, stream=0) -> ExpertPlan:
@@ -590,7 +594,7 @@ def plan_pairs(expert_ids, n_experts: int, plan: ExpertPlan | None = None, strea
         raise ValueError(f"plan: sized for {plan.sorted_pairs.shape[0]} pairs of {plan.expert_counts.shape[0]} "
                          f"experts, need {n_pairs} of {n_experts}")
     _plan_pairs[1, PLAN_THREADS, stream](expert_ids, n_experts, plan.expert_counts, plan.expert_offsets,
-                                         plan.sorted_pairs, plan.active_experts, plan.n_active)
+                                         plan.placed_pairs, plan.sorted_pairs, plan.active_experts, plan.n_active)
     return plan
 
 

@@ -249,13 +249,14 @@ def kimi_experts_reference(x, ids, weights, tokens, w_gate_up, w_down):
 
 
 @pytest.mark.sim
-def test_plan_pairs_groups_by_expert():
+@pytest.mark.parametrize("e, s, k", [(8, 5, 3), (4, 40, 3)])  # (4, 40, 3): ~30 pairs an expert, many per thread
+def test_plan_pairs_groups_by_expert(e, s, k):
     rng = np.random.default_rng(3)
-    e, s, k = 8, 5, 3
     ids = np.stack([rng.permutation(e)[:k] for _ in range(s)]).astype(np.int32)
-    ids[:, 0] = 6  # one expert holds every token: more than one token chunk
+    ids[:, 0] = 6 % e  # one expert holds every token: more than one token chunk
     plan = ExpertPlan.allocate(e, s * k)
-    for buffer in (plan.expert_counts, plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active):
+    for buffer in (plan.expert_counts, plan.expert_offsets, plan.placed_pairs, plan.sorted_pairs,
+                   plan.active_experts, plan.n_active):
         buffer.copy_to_device(np.full(buffer.shape, -7, np.int32))
     plan_pairs(ids, e, plan)
     flat = ids.ravel()
