@@ -16,7 +16,8 @@ forward of any other number of rows, so a tree-verify forward equals the 1-row A
 bit for bit and DDTree's output is the engine's own AR output in bf16 too. The dense products run at one fixed
 row count (ops.TorchOps' fixed_rows), attention through attention/invariant.py (keys in compacted order);
 everything else is per row already (norms, RoPE, router, the grouped experts, whose launch shape does not
-depend on the token count).
+depend on the token count). The routed experts then run on the tensor cores (moe/experts_tc.py: bf16
+activations, as the dense products have) where d and f allow it, for every token count alike.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from kdspec.numba_kernels.attention.dispatch import mla_attention
 from kdspec.numba_kernels.attention.invariant import mla_attention_invariant, visible_keys
 from kdspec.numba_kernels.host_arrays import is_device_array
 from kdspec.numba_kernels.moe import experts as moe_experts
+from kdspec.numba_kernels.moe import experts_tc as moe_experts_tc
 from kdspec.numba_kernels.moe import router as moe_router
 from kdspec.numba_kernels.moe import swiglu
 from kdspec.numba_kernels.tree import compact as kv_compact
@@ -59,6 +61,8 @@ class DeviceModel:
         check_weights(cfg, weights)
         self.cfg, self.backend, self.weight_dtype = cfg, backend, weight_dtype
         self.batch_invariant = weight_dtype == "bfloat16" if batch_invariant is None else bool(batch_invariant)
+        self.tensor_core_experts = (self.batch_invariant and weight_dtype == "bfloat16"
+                                    and moe_experts_tc.supports(cfg.hidden_size, cfg.moe_intermediate_size))
         self.ops = (SimOps(row_by_row=self.batch_invariant) if backend == "sim"
                     else TorchOps(weight_dtype, INVARIANT_ROWS if self.batch_invariant else None))
         self.max_cache_rows = cfg.max_position_embeddings
@@ -302,9 +306,10 @@ class DeviceModel:
         if cfg.n_shared_experts:
             shared = self._dense_ffn(layer, x, stream)
             return moe_experts.moe_experts(x, expert_ids, expert_weights, layer["experts_gate_up"],
-                                           layer["experts_down"], out=shared, accumulate=True, stream=stream)
+                                           layer["experts_down"], out=shared, accumulate=True, stream=stream,
+                                           tensor_cores=self.tensor_core_experts)
         return moe_experts.moe_experts(x, expert_ids, expert_weights, layer["experts_gate_up"], layer["experts_down"],
-                                       stream=stream)
+                                       stream=stream, tensor_cores=self.tensor_core_experts)
 
     def commit(self, cache: DeviceCache, s: int) -> None:
         cache.length += int(s)

@@ -677,14 +677,15 @@ def _workspace(n_experts, n_pairs, d, f, stream):
 
 
 def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, out=None, accumulate=False,
-                plan=None, stream=0, config=None):
+                plan=None, stream=0, config=None, tensor_cores=False):
     """Routed-expert FFN of a MoE layer, one grouped launch over all (token, expert) pairs.
 
     x float32 [s, d] (C-contiguous); expert_ids int32 [s, k]; expert_weights float32 [s, k];
     w_gate_up [e, 2f, d] and w_down [e, d, f], float32 or bf16 bits (uint16/int16); d and f even.
     Returns y float32 [s, d] = sum_i w_i * down_e(silu(gate_e x) * up_e x); with accumulate=True the sum is
     added to ``out`` (e.g. holding the shared expert's output). ``plan``: an ExpertPlan to reuse;
-    ``config``: an ExpertsConfig (launch shape; default: default_config(s * k, e)).
+    ``config``: an ExpertsConfig (launch shape; default: default_config(s * k, e)). ``tensor_cores``: the
+    products in bf16 on the tensor cores (experts_tc.py: bf16 weights, d and f multiples of 32).
     """
     x = as_device(x, "x")
     check_array(x, "x", (None, None), [np.float32])
@@ -713,7 +714,11 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, out=None, a
     down_view = weight_view(w_down, "w_down")
     cached_plan, act, pair_out = _workspace(e, s * k, d, f, stream)
     plan = plan_pairs(expert_ids, e, plan or cached_plan, stream)
-    grouped_swiglu(x, k, plan, gate_view, down_view, act, pair_out, stream, config)
+    if tensor_cores:
+        from kdspec.numba_kernels.moe.experts_tc import grouped_swiglu_tc  # it builds on this module
+        grouped_swiglu_tc(x, k, plan, gate_view, down_view, act, pair_out, stream)
+    else:
+        grouped_swiglu(x, k, plan, gate_view, down_view, act, pair_out, stream, config)
     _combine_slots[(math.ceil(d / COMBINE_THREADS), row_blocks(s)), COMBINE_THREADS, stream](
         pair_out, expert_ids, expert_weights, e, accumulate, y)
     return y

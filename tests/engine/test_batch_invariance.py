@@ -8,6 +8,8 @@ Under the CUDA simulator on `tiny` and `small` (odd head count); on a GPU the sa
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -60,9 +62,19 @@ def test_tree_verify_equals_ar_steps_bit_for_bit(preset, device_backend):
     assert_tree_rows_equal_ar_steps(model, prompt_len=7, nodes=10, seed=1)
 
 
+@pytest.mark.sim
+def test_tree_verify_equals_ar_steps_with_tensor_core_experts(device_backend):
+    """tiny with f = 32: the routed experts run experts_tc.py's kernels (whole 32-column chunks)."""
+    cfg = dataclasses.replace(PRESETS["tiny"], moe_intermediate_size=32)
+    model = DeviceModel(cfg, random_weights(cfg, 0), device_backend, weight_dtype="bfloat16")
+    assert model.tensor_core_experts
+    assert_tree_rows_equal_ar_steps(model, prompt_len=5, nodes=6, seed=4)
+
+
 @pytest.mark.gpu
 def test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit():
     cfg = PRESETS["k2-mini"]
     model = DeviceModel(cfg, SeededWeights(cfg, 0), "cuda", weight_dtype="bfloat16")
+    assert model.tensor_core_experts
     for nodes, seed in ((64, 1), (256, 2), (300, 3)):
         assert_tree_rows_equal_ar_steps(model, prompt_len=40, nodes=nodes, seed=seed)
