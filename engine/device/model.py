@@ -16,8 +16,9 @@ forward of any other number of rows, so a tree-verify forward equals the 1-row A
 bit for bit and DDTree's output is the engine's own AR output in bf16 too. The dense products run at one fixed
 row count (ops.TorchOps' fixed_rows), attention through attention/invariant.py (keys in compacted order);
 everything else is per row already (norms, RoPE, router, the grouped experts, whose launch shape does not
-depend on the token count). The routed experts then run on the tensor cores (moe/experts_tc.py: bf16
-activations, as the dense products have) where d and f allow it, for every token count alike.
+depend on the token count). ``tensor_core_experts`` (off by default) runs the routed experts on the tensor
+cores instead (moe/experts_tc.py: bf16 activations, as the dense products have), for every token count alike:
+much faster for large verify trees, much slower for AR and small trees as it stands (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -50,10 +51,11 @@ INVARIANT_ROWS = 128  # rows of every dense product in batch-invariant mode (bud
 class DeviceModel:
     """The model protocol on the Numba kernels. ``backend`` "cuda" (torch + a GPU) or "sim" (simulator);
     ``graphs``: on cuda, replay captured CUDA graphs of the layer stack (engine/cuda_graphs.py);
-    ``batch_invariant``: see the module docstring (None: on with bf16 weights, off with fp32)."""
+    ``batch_invariant``: see the module docstring (None: on with bf16 weights, off with fp32);
+    ``tensor_core_experts``: the routed experts on the tensor cores (bf16 weights; d, f multiples of 32)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str, weight_dtype: str = "float32",
-                 graphs: bool = True, batch_invariant: bool | None = None):
+                 graphs: bool = True, batch_invariant: bool | None = None, tensor_core_experts: bool = False):
         if backend not in ("cuda", "sim"):
             raise ValueError(f"device backend must be 'cuda' or 'sim', got {backend!r}")
         if weight_dtype not in ("float32", "bfloat16"):
@@ -61,8 +63,12 @@ class DeviceModel:
         check_weights(cfg, weights)
         self.cfg, self.backend, self.weight_dtype = cfg, backend, weight_dtype
         self.batch_invariant = weight_dtype == "bfloat16" if batch_invariant is None else bool(batch_invariant)
-        self.tensor_core_experts = (self.batch_invariant and weight_dtype == "bfloat16"
-                                    and moe_experts_tc.supports(cfg.hidden_size, cfg.moe_intermediate_size))
+        if tensor_core_experts and (weight_dtype != "bfloat16" or not moe_experts_tc.supports(
+                cfg.hidden_size, cfg.moe_intermediate_size)):
+            raise ValueError(f"tensor_core_experts needs bf16 weights and hidden_size, moe_intermediate_size multiples "
+                             f"of {moe_experts_tc.CHUNK} (got {weight_dtype}, {cfg.hidden_size}, "
+                             f"{cfg.moe_intermediate_size})")
+        self.tensor_core_experts = bool(tensor_core_experts)
         self.ops = (SimOps(row_by_row=self.batch_invariant) if backend == "sim"
                     else TorchOps(weight_dtype, INVARIANT_ROWS if self.batch_invariant else None))
         self.max_cache_rows = cfg.max_position_embeddings

@@ -4,7 +4,8 @@ the same prompt. This is what makes DDTree's output the engine's own AR output i
 
 Under the CUDA simulator on `tiny` and `small` (odd head count); on a GPU the same test runs for real, and the
 `gpu` case runs k2-mini (Kimi K2 per-layer dimensions, bf16 weights drawn on the GPU) with trees of 64, 256 and
-300 nodes (one, two and three of the dense products' fixed-size row chunks).
+300 nodes (one, two and three of the dense products' fixed-size row chunks), with the routed experts on the
+SIMT kernels (the default) and on the tensor cores.
 """
 from __future__ import annotations
 
@@ -66,15 +67,22 @@ def test_tree_verify_equals_ar_steps_bit_for_bit(preset, device_backend):
 def test_tree_verify_equals_ar_steps_with_tensor_core_experts(device_backend):
     """tiny with f = 32: the routed experts run experts_tc.py's kernels (whole 32-column chunks)."""
     cfg = dataclasses.replace(PRESETS["tiny"], moe_intermediate_size=32)
-    model = DeviceModel(cfg, random_weights(cfg, 0), device_backend, weight_dtype="bfloat16")
-    assert model.tensor_core_experts
+    model = DeviceModel(cfg, random_weights(cfg, 0), device_backend, weight_dtype="bfloat16", tensor_core_experts=True)
     assert_tree_rows_equal_ar_steps(model, prompt_len=5, nodes=6, seed=4)
 
 
+@pytest.mark.sim
+def test_tensor_core_experts_refuse_what_they_cannot_run():
+    cfg = PRESETS["tiny"]  # f = 16: not whole 32-column chunks
+    with pytest.raises(ValueError, match="tensor_core_experts needs"):
+        DeviceModel(cfg, random_weights(cfg, 0), "sim", weight_dtype="bfloat16", tensor_core_experts=True)
+
+
 @pytest.mark.gpu
-def test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit():
+@pytest.mark.parametrize("tensor_core_experts", [False, True])
+def test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit(tensor_core_experts):
     cfg = PRESETS["k2-mini"]
-    model = DeviceModel(cfg, SeededWeights(cfg, 0), "cuda", weight_dtype="bfloat16")
-    assert model.tensor_core_experts
+    model = DeviceModel(cfg, SeededWeights(cfg, 0), "cuda", weight_dtype="bfloat16",
+                        tensor_core_experts=tensor_core_experts)
     for nodes, seed in ((64, 1), (256, 2), (300, 3)):
         assert_tree_rows_equal_ar_steps(model, prompt_len=40, nodes=nodes, seed=seed)
