@@ -43,7 +43,7 @@ from kdspec.numba_kernels.moe import router as moe_router
 from kdspec.numba_kernels.moe import swiglu
 from kdspec.numba_kernels.tree import compact as kv_compact
 
-MAX_CAUSAL_MASKS = 16  # token counts whose causal mask stays on the device
+MAX_CAUSAL_MASKS = 16  # token counts whose causal mask (and key table) stays on the device
 MAX_GRAPH_SHAPES = 8  # token counts with captured graphs (AR: 1; DDTree: the verify size; a few cut trees)
 INVARIANT_ROWS = 128  # rows of every dense product in batch-invariant mode (budget 127 in one call, 255 in two)
 
@@ -87,6 +87,7 @@ class DeviceModel:
         self.use_graphs = backend == "cuda" and graphs
         self._graphs, self._shapes_seen = {}, {}
         self._causal_masks = {}  # s -> device mask; an AR step must not pay an upload (alloc + synced copy)
+        self._key_tables = {}  # s -> VisibleKeys buffers of batch-invariant attention
         self.hidden_layers: tuple[int, ...] = ()  # hidden states the current cache keeps (new_cache)
 
     def _load_layer(self, weight, i: int) -> dict:
@@ -188,7 +189,7 @@ class DeviceModel:
             mask = visibility
         else:
             mask = ops.upload(pack_visibility(np.asarray(visibility, dtype=bool)))
-        keys = visible_keys(mask, cache.length, s) if self.batch_invariant else None  # one table, every layer
+        keys = self._visible_keys(mask, cache.length, s) if self.batch_invariant else None
         graphs = self._graphs_for(s)
         if graphs is None:
             state = self._new_state(s)
@@ -215,6 +216,14 @@ class DeviceModel:
         if graphs is not None:  # the graph's logits buffer is overwritten by the next step of this shape
             logits = ops.copy(logits)
         return DeviceLogits(logits, ops.to_host)
+
+    def _visible_keys(self, mask, prefix_len: int, s: int):
+        """The compacted key table of this forward (attention/invariant.py): one for all its layers, written
+        into a buffer kept per token count (a step must not pay an allocation)."""
+        table = visible_keys(mask, prefix_len, s, out=self._key_tables.get(s))
+        if s not in self._key_tables and len(self._key_tables) < MAX_CAUSAL_MASKS:
+            self._key_tables[s] = table
+        return table
 
     def _causal_mask(self, s: int):
         """The device causal mask for s tokens, uploaded once per token count (kernels only read it)."""
