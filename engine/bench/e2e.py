@@ -292,7 +292,7 @@ def run(quick: bool = False) -> list[dict]:
     ar_forwards, verify_forwards = _count_experts(cfg, model, plan, golden)
     rows.extend(_roofline_rows(cfg, plan, ceiling, ar_forwards, verify_forwards, ar_step, ar_rate, ddtree))
     rows.extend(_host_time_rows(cfg, model, plan, golden))
-    rows.extend(_hf_rows(cfg, tensors, plan.prompt, plan.new_tokens, ar, ar_rate, quick))
+    rows.extend(_hf_rows(cfg, tensors, plan.prompt, plan.new_tokens, ar, ar_rate, quick, precision(model)))
     release_tensors(quick)
     return rows
 
@@ -454,7 +454,14 @@ def _host_time_rows(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) ->
     return rows
 
 
-def _hf_rows(cfg, tensors, prompt, new_tokens, ar, ar_rate, quick) -> list[dict]:
+def precision(model) -> str:
+    """How the engine's device model computes, in words (for the HF row's note)."""
+    if model.weight_dtype != "bfloat16":
+        return "fp32"
+    return "bf16 dense products, the rest fp32" + (", batch-invariant" if model.batch_invariant else "")
+
+
+def _hf_rows(cfg, tensors, prompt, new_tokens, ar, ar_rate, quick, engine_precision: str) -> list[dict]:
     """The Hugging Face transformers peer: same weights, same GPU (CPU under quick), greedy AR."""
     try:
         import torch
@@ -480,4 +487,4 @@ def _hf_rows(cfg, tensors, prompt, new_tokens, ar, ar_rate, quick) -> list[dict]
     return [row(SUITE, "engine AR vs HF transformers AR", ar_rate, "tok/s", peer=f"HF transformers {str(dtype)[6:]}",
                 peer_value=hf_rate, target=f">= {HF_TARGET:g}x", ok=None if quick else ar_rate >= HF_TARGET * hf_rate,
                 note=f"HF greedy with its KV cache; first {same}/{new_tokens} tokens agree with the engine "
-                     f"(HF computes in {str(dtype)[6:]}, the engine in fp32)")]
+                     f"(HF computes in {str(dtype)[6:]}; the engine: {engine_precision})")]

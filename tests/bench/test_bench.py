@@ -94,6 +94,17 @@ def test_e2e_and_trace_quick():
     assert all(r["value"] > 0 for r in trace if r["unit"] == "B")
 
 
+def test_hf_row_says_how_the_engine_computes():
+    from types import SimpleNamespace
+
+    from kdspec.engine.bench.e2e import precision
+    assert precision(SimpleNamespace(weight_dtype="float32", batch_invariant=False)) == "fp32"
+    assert precision(SimpleNamespace(weight_dtype="bfloat16", batch_invariant=True)) == \
+        "bf16 dense products, the rest fp32, batch-invariant"
+    assert precision(SimpleNamespace(weight_dtype="bfloat16", batch_invariant=False)) == \
+        "bf16 dense products, the rest fp32"
+
+
 def test_ddtree_speed_targets_are_the_issues():
     from kdspec.engine.bench.e2e import speed_target
     text, ok = speed_target("oracle", 7)
