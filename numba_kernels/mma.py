@@ -8,6 +8,9 @@ Fragment layouts of mma.m16n8k8 (PTX ISA "Matrix Fragments for mma.m16n8k8", .tf
     A 16x8 (row): a0 (g, tq), a1 (g+8, tq), a2 (g, tq+4), a3 (g+8, tq+4)
     B 8x8 (col):  b0 (k=tq, n=g), b1 (k=tq+4, n=g)
     C/D 16x8:     c0 (g, 2tq), c1 (g, 2tq+1), c2 (g+8, 2tq), c3 (g+8, 2tq+1)
+mma_bf16 (m16n8k16, bf16 in pairs, low half the lower k) for the bf16 experts (moe/experts_tc.py):
+    A 16x16 (row): a0 (g, 2tq..2tq+1), a1 (g+8, 2tq..), a2 (g, 2tq+8..2tq+9), a3 (g+8, 2tq+8..)
+    B 16x8 (col):  b0 (k=2tq..2tq+1, n=g), b1 (k=2tq+8..2tq+9, n=g); C/D as above
 The tensor core's fp32 accumulation truncates (see _truncate_to_float32), so the GEMM sums each group of
 `sum_every` k-steps in fresh (zeroed) fragments and adds them into its fp32 accumulators with ordinary FADD
 (round to nearest): the biased error is bounded by the group, not by K.
@@ -36,6 +39,7 @@ from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, static_f
 
 WARP = 32
 SIM_SCRATCH_PER_WARP = 16 * 8 + 8 * 8  # the A tile and the B tile of one mma
+BF16_SCRATCH_PER_WARP = 16 * 16 + 16 * 8  # the same for mma_bf16 (m16n8k16)
 TF32_MASK = 0xFFFFE000  # the 19 bits a tf32 keeps (sign, 8 exponent, 10 mantissa)
 
 if ON_SIMULATOR:
@@ -88,6 +92,32 @@ if ON_SIMULATOR:
             d[n] = _truncate_to_float32(d[n] + float(a[row] @ b[:, col]))  # exact products, truncated sum
         cuda.syncthreads()  # everyone read the tiles before the next mma overwrites them
         return d[0], d[1], d[2], d[3]
+
+    def _bf16_pair(bits):
+        """The two bf16 values packed in uint32 bits (low half first), as float32."""
+        return (_as_float((int(bits) & 0xFFFF) << 16), _as_float(int(bits) & 0xFFFF0000))
+
+    @device_function()
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+        """d = A @ B + C for one warp's m16n8k16 bf16 fragments (bf16 pairs in uint32, float32 out), via
+        shared scratch (BF16_SCRATCH_PER_WARP floats per warp; every thread of the block calls it)."""
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        g, tq = lane >> 2, lane & 3
+        base = (tid // WARP) * BF16_SCRATCH_PER_WARP
+        b_base = base + 16 * 16
+        for bits, row, col in ((a0, g, 2 * tq), (a1, g + 8, 2 * tq), (a2, g, 2 * tq + 8), (a3, g + 8, 2 * tq + 8)):
+            scratch[base + row * 16 + col], scratch[base + row * 16 + col + 1] = _bf16_pair(bits)
+        for bits, k in ((b0, 2 * tq), (b1, 2 * tq + 8)):
+            scratch[b_base + k * 8 + g], scratch[b_base + (k + 1) * 8 + g] = _bf16_pair(bits)
+        cuda.syncthreads()
+        a = scratch[base:base + 256].reshape(16, 16).astype(np.float64)
+        b = scratch[b_base:b_base + 128].reshape(16, 8).astype(np.float64)
+        d = [float(c) for c in (c0, c1, c2, c3)]
+        for n, (row, col) in enumerate(((g, 2 * tq), (g, 2 * tq + 1), (g + 8, 2 * tq), (g + 8, 2 * tq + 1))):
+            d[n] = _truncate_to_float32(d[n] + float(a[row] @ b[:, col]))
+        cuda.syncthreads()
+        return d[0], d[1], d[2], d[3]
 else:
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
@@ -112,25 +142,37 @@ else:
             return builder.bitcast(args[0], ir.IntType(32))
         return types.uint32(types.float32), codegen
 
-    @intrinsic
-    def _mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        signature = types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4))
+    def _mma_intrinsic(shape_and_types: str):
+        """An mma.sync.aligned.<shape_and_types> of 4 A, 2 B (uint32 each) and 4 fp32 C registers."""
+        @intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            signature = types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4))
 
-        def codegen(context, builder, sig, args):
-            f32, i32 = ir.FloatType(), ir.IntType(32)
-            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4),
-                               "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-                               "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
-                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            d = builder.call(asm, list(args))
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, n) for n in range(4)])
+            def codegen(context, builder, sig, args):
+                f32, i32 = ir.FloatType(), ir.IntType(32)
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4),
+                                   f"mma.sync.aligned.{shape_and_types} "
+                                   "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                                   "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                d = builder.call(asm, list(args))
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, n) for n in range(4)])
 
-        return signature, codegen
+            return signature, codegen
+        return mma
+
+    _mma = _mma_intrinsic("m16n8k8.row.col.f32.tf32.tf32.f32")
+    _mma_bf16 = _mma_intrinsic("m16n8k16.row.col.f32.bf16.bf16.f32")
 
     @device_function(forceinline=True)
     def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
         """d = A @ B + C for one warp's m16n8k8 fragments (tf32 bits in, float32 out); scratch unused."""
         return _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+    @device_function(forceinline=True)
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+        """d = A @ B + C for one warp's m16n8k16 bf16 fragments (bf16 pairs in uint32, low half the lower k;
+        float32 out); scratch unused."""
+        return _mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
 
 _DEVICE = dict(device=True) if ON_SIMULATOR else dict(device=True, forceinline=True)
 

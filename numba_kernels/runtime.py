@@ -82,23 +82,25 @@ def _names_cuda(fn) -> bool:
 INLINE_DEVICE = {} if ON_SIMULATOR else dict(forceinline=True)
 
 
-def static_for(count: int, body):
-    """Device function run(args) = body(0, args); ...; body(count - 1, args) as straight-line calls.
+def static_for(count: int, body, start: int = 0):
+    """Device function run(args) = body(start, args); ...; body(start + count - 1, args) as straight-line calls.
 
     A register array (cuda.local.array) stays in registers only if every index is a constant after
     unrolling, and LLVM leaves loops with large bodies rolled (the array then lives in local memory). Calls
-    with constant first arguments give the constant indices whatever the body's size. args: one tuple."""
+    with constant first arguments give the constant indices whatever the body's size. args: one tuple.
+    Built as halves of halves, so that typing nests log2(count) device functions deep, not count."""
     if count == 1:
         @device_function(**INLINE_DEVICE)
         def run_one(args):
-            body(0, args)
+            body(start, args)
         return run_one
-    first, last = static_for(count - 1, body), count - 1
+    half = count // 2
+    first, second = static_for(half, body, start), static_for(count - half, body, start + half)
 
     @device_function(**INLINE_DEVICE)
     def run(args):
         first(args)
-        body(last, args)
+        second(args)
     return run
 
 

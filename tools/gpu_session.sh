@@ -14,12 +14,14 @@
 #     bash tools/gpu_session.sh profile-step  # cProfile of AR and DDTree oracle B=7 / 63 steps on k2-mini
 #     bash tools/gpu_session.sh profile-kernels  # GPU time per kernel of AR and DDTree oracle B=7 / 63 / 255 steps
 #     bash tools/gpu_session.sh invariance  # which bf16 products give a row the same bits at every row count
+#     bash tools/gpu_session.sh experts-tc  # tensor-core experts: GPU tests, the TcConfig sweep at k2-mini's 32
+#                                          # experts, e2e, the k2-mini invariance test, K2's 384 experts
 #     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
 #                                          # budgets 8..256; or T and those budgets only)
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|profile-step|profile-kernels|invariance|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|profile-step|profile-kernels|invariance|experts-tc|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -100,6 +102,15 @@ profile-kernels)
         --variant
     grep -a -E "^=====|ms/step" "$log" | cut -c1-150
     ;;
+experts-tc)
+    step tc-tests 150 python3 -m pytest -q -m gpu tests/kernels/test_moe_tc.py
+    step tc-sweep-32 200 python3 -W ignore -m tools.sweeps.moe --tensor-cores --experts 32 --tokens 1,8,64,256
+    step bench-e2e 200 "${kdtree[@]}" bench e2e
+    step invariance-k2 90 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[True]"
+    step tc-sweep-384 120 python3 -W ignore -m tools.sweeps.moe --tensor-cores --tokens 1,256 --only t0
+    grep -a -E "^ +[0-9]+ +(auto|t[0-9])|^best|^[0-9]+ (passed|failed)|^(FAILED|ERROR)|CHECKS|copy bandwidth" "$log"
+    grep -a -A30 "^| run" "$log" | head -40
+    ;;
 invariance)
     step invariance-probe 200 python3 -W ignore tools/invariance_probe.py
     tail -n 30 "$log"
@@ -113,7 +124,7 @@ print(runner.format_table(spec.run(temperatures=t, budgets=tuple(int(x) for x in
     tail -n 60 "$log"
     ;;
 *)
-    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, profile-step, profile-kernels, invariance, spec)" >&2
+    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, profile-step, profile-kernels, invariance, experts-tc, spec)" >&2
     exit 2
     ;;
 esac

@@ -52,10 +52,11 @@ class DeviceModel:
     """The model protocol on the Numba kernels. ``backend`` "cuda" (torch + a GPU) or "sim" (simulator);
     ``graphs``: on cuda, replay captured CUDA graphs of the layer stack (engine/cuda_graphs.py);
     ``batch_invariant``: see the module docstring (None: on with bf16 weights, off with fp32);
-    ``tensor_core_experts``: the routed experts on the tensor cores (bf16 weights; d, f multiples of 32)."""
+    ``tensor_core_experts``: the routed experts on the tensor cores (bf16 weights; d, f multiples of 32; None:
+    on for the batch-invariant bf16 model where d and f allow)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str, weight_dtype: str = "float32",
-                 graphs: bool = True, batch_invariant: bool | None = None, tensor_core_experts: bool = False):
+                 graphs: bool = True, batch_invariant: bool | None = None, tensor_core_experts: bool | None = None):
         if backend not in ("cuda", "sim"):
             raise ValueError(f"device backend must be 'cuda' or 'sim', got {backend!r}")
         if weight_dtype not in ("float32", "bfloat16"):
@@ -68,6 +69,9 @@ class DeviceModel:
             raise ValueError(f"tensor_core_experts needs bf16 weights and hidden_size, moe_intermediate_size multiples "
                              f"of {moe_experts_tc.CHUNK} (got {weight_dtype}, {cfg.hidden_size}, "
                              f"{cfg.moe_intermediate_size})")
+        if tensor_core_experts is None:
+            tensor_core_experts = self.batch_invariant and weight_dtype == "bfloat16" and moe_experts_tc.supports(
+                cfg.hidden_size, cfg.moe_intermediate_size)
         self.tensor_core_experts = bool(tensor_core_experts)
         self.ops = (SimOps(row_by_row=self.batch_invariant) if backend == "sim"
                     else TorchOps(weight_dtype, INVARIANT_ROWS if self.batch_invariant else None))

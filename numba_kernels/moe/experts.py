@@ -685,7 +685,8 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, out=None, a
     Returns y float32 [s, d] = sum_i w_i * down_e(silu(gate_e x) * up_e x); with accumulate=True the sum is
     added to ``out`` (e.g. holding the shared expert's output). ``plan``: an ExpertPlan to reuse;
     ``config``: an ExpertsConfig (launch shape; default: default_config(s * k, e)). ``tensor_cores``: the
-    products in bf16 on the tensor cores (experts_tc.py: bf16 weights, d and f multiples of 32).
+    products in bf16 on the tensor cores (experts_tc.py: bf16 weights, d and f multiples of 32); ``config`` is
+    then a TcConfig (default: its DEFAULT_TC_CONFIG).
     """
     x = as_device(x, "x")
     check_array(x, "x", (None, None), [np.float32])
@@ -716,7 +717,7 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, out=None, a
     plan = plan_pairs(expert_ids, e, plan or cached_plan, stream)
     if tensor_cores:
         from kdspec.numba_kernels.moe.experts_tc import grouped_swiglu_tc  # it builds on this module
-        grouped_swiglu_tc(x, k, plan, gate_view, down_view, act, pair_out, stream)
+        grouped_swiglu_tc(x, k, plan, gate_view, down_view, act, pair_out, stream, config)
     else:
         grouped_swiglu(x, k, plan, gate_view, down_view, act, pair_out, stream, config)
     _combine_slots[(math.ceil(d / COMBINE_THREADS), row_blocks(s)), COMBINE_THREADS, stream](

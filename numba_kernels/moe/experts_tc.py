@@ -1,174 +1,284 @@
 """Routed experts on the tensor cores: experts.py's grouped SwiGLU with bf16 activations and weights (bf16 compute).
 
-The same plan, buffers and combine as experts.py (read it first); only the two product kernels differ:
-    gate_up: act[row, i] = silu(gate_i . bf16(x_t)) * (up_i . bf16(x_t))   (row: a sorted pair, t its token)
-    down:    pair_out[pair, j] = down_j . bf16(act[row])
-Each product is a tf32 mma.sync m16n8k8 (numba_kernels/mma.py): bf16 values are exact in tf32 (same exponent,
-fewer mantissa bits), so every product of a bf16 activation and a bf16 weight is exact and only the mma's fp32
-accumulation rounds. Activations are rounded to bf16 (nearest even) as they are loaded, as the bf16 dense
-products (cuBLAS) round theirs.
+The same plan, buffers and combine as experts.py (read it first); only the products differ:
+    gate_up: act[row, i] = bf16(silu(gate_i . bf16(x_t)) * (up_i . bf16(x_t)))   (row: a sorted pair, t its token)
+    down:    pair_out[pair, j] = down_j . act[row]
+Each product is an mma.sync m16n8k16 bf16 with fp32 accumulation (mma.py's mma_bf16) with the weights as the A
+operand (16 weight rows) and the tokens as B (8 tokens a tile), so one token costs an 8-token tile, not a 16-row
+one. x is rounded to bf16 once (nearest even) by ``_round_to_bf16``, into pair_out's storage, which down only
+writes after gate_up has read it; gate_up writes act as bf16 into the first half of act's storage.
 
-A warp owns 8 weight rows (the mma's n = 8; gate_up: 8 gate rows and the 8 matching up rows) and walks K in
-chunks of 32 columns: lane (g, tq) (lane = 4 g + tq) loads columns 8 tq .. 8 tq + 7 of weight row g with one
-16-byte load, and of the activation rows g and g + 8 of each 16-row tile of the expert's pairs. The four
-mma k-steps of a chunk take those columns in a fixed permuted order (step j: logical k = tq is column
-8 tq + 2 j, k = tq + 4 is 8 tq + 2 j + 1; A and B alike), so no shared memory is needed. TILES 16-row tiles
-(pairs) share each weight load; an expert with more pairs takes several passes.
+A block of K_SPLIT warps owns 32 weight rows (gate_up: 16 gate rows and the 16 matching up rows; down: 32 output
+rows). Warp q sums its own contiguous share of K's 32-column chunks, and the block adds the K_SPLIT partial sums
+in warp order (through shared memory), so even a one-token launch has K_SPLIT x as many warps streaming weights.
+In a chunk, lane (g, tq) (lane = 4 g + tq) loads columns 8 tq .. 8 tq + 7 (one 16-byte load) of weight rows g and
+g + 8 of each m-tile and of token g of each 8-token tile; the chunk's two mma k-steps take them in a fixed
+permuted order (step j: logical k 2tq, 2tq + 1 are columns 8 tq + 4 j, + 1; k 2tq + 8, 2tq + 9 are 8 tq + 4 j + 2,
++ 3; A and B alike), so no shared memory is needed for the operands. The next chunk's weights are loaded while
+this one's mma run. Up to N_TILES token tiles share each weight load (a pass); tiles past the expert's pairs are
+skipped, and an expert with more pairs takes several passes.
 
-Batch invariance: a pair's result depends only on its activation row, the weights and the fixed K order, not on
-which tile or row of a tile it sits in (every row of an mma adds its products the same way) nor on how many
-pairs the expert has: s = 1 and s = 256 give a token the same bits.
+Batch invariance: a pair's result depends only on its activation row, the weights and the fixed K order and
+split, not on which tile or lane it sits in nor on how many pairs the expert has: s = 1 and s = 256 give a token
+the same bits.
 Requirements: bf16 weights (uint16 / int16 bits), d and f multiples of 32, every array 16-byte aligned.
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from kdspec.numba_kernels import kernel_cache
-from kdspec.numba_kernels.moe.experts import (
-    ExpertPlan,
-    _address,
-    a_word_x8,
-    load_u64x2,
-    silu,
-)
-from kdspec.numba_kernels.mma import SIM_SCRATCH_PER_WARP, WARP, float_bits, mma_tf32
-from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, row_blocks
+from kdspec.numba_kernels.moe.experts import ExpertPlan, _address, load_u64x2, silu
+from kdspec.numba_kernels.mma import BF16_SCRATCH_PER_WARP, WARP, float_bits, mma_bf16
+from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function, row_blocks, static_for
 
-CHUNK = 32                               # columns per K step: 4 lanes x 8 columns
-WARPS = 1 if ON_SIMULATOR else 4         # warps per block
-TILES = 2 if ON_SIMULATOR else 4         # 16-row tiles of pairs sharing one weight load
-ROWS_PER_BLOCK = 8 * WARPS
-SCRATCH = WARPS * SIM_SCRATCH_PER_WARP if ON_SIMULATOR else 1
-_DEVICE = {} if ON_SIMULATOR else dict(forceinline=True)
+CHUNK = 32                                # K columns per step: 4 lanes x 8 columns
+BLOCK_ROWS = 32                           # weight rows per block: two m-tiles of 16
+CONVERT_THREADS = 32 if ON_SIMULATOR else 256
 
 
-@device_function(**_DEVICE)
-def bf16_rne_bits(x):
-    """float32 x rounded to bf16 (nearest even) as tf32 operand bits (uint32, low 16 bits zero)."""
+@dataclass(frozen=True)
+class TcConfig:
+    """Launch shape of the tensor-core gate_up and down kernels (each config compiles its own kernels)."""
+
+    k_split: int             # warps per block, each summing its own share of K
+    n_tiles: int             # 8-token tiles per pass (register-blocked): tokens per pass = 8 n_tiles
+    max_registers: int = 0   # per-thread register cap for the compiler (0: none)
+
+    def __post_init__(self):
+        if not 1 <= self.k_split <= 8 or not 1 <= self.n_tiles <= 8 or self.max_registers < 0:
+            raise ValueError(f"TcConfig: k_split {self.k_split} (1..8), n_tiles {self.n_tiles} (1..8), "
+                             f"max_registers {self.max_registers}")
+
+
+# The simulator runs every thread in Python: two warps (the K split and its sum still run) and 16 tokens a pass.
+DEFAULT_TC_CONFIG = TcConfig(2, 2) if ON_SIMULATOR else TcConfig(4, 4)
+
+
+@device_function(**INLINE_DEVICE)
+def bf16_rne(x):
+    """float32 x rounded to bf16 (nearest even): the 16 bits, as uint32."""
     bits = uint32(float_bits(x))
-    return (bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) & uint32(0xFFFF0000)
-
-
-@device_function(**_DEVICE)
-def load_activation(a, row, word, valid, out):
-    """out[0..7] = tf32 bits of bf16(a row ``row``, columns 8 word .. 8 word + 7), zeros when not valid.
-    a: fp32 [1, rows, cols] viewed as uint64 [1, rows, cols / 2]."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = a_word_x8(a, row, word)
-    out[0] = bf16_rne_bits(v0) if valid else uint32(0)
-    out[1] = bf16_rne_bits(v1) if valid else uint32(0)
-    out[2] = bf16_rne_bits(v2) if valid else uint32(0)
-    out[3] = bf16_rne_bits(v3) if valid else uint32(0)
-    out[4] = bf16_rne_bits(v4) if valid else uint32(0)
-    out[5] = bf16_rne_bits(v5) if valid else uint32(0)
-    out[6] = bf16_rne_bits(v6) if valid else uint32(0)
-    out[7] = bf16_rne_bits(v7) if valid else uint32(0)
-
-
-@device_function(**_DEVICE)
-def load_weights(w, expert, row, word, out):
-    """out[0..7] = tf32 bits of w[expert, row, 8 word .. 8 word + 7] (bf16 viewed as uint64 [e, rows, cols/4])."""
-    first, second = load_u64x2(w, expert, row, word)
-    for i in range(4):
-        out[i] = uint32((first >> uint64(16 * i)) & uint64(0xFFFF)) << uint32(16)
-        out[4 + i] = uint32((second >> uint64(16 * i)) & uint64(0xFFFF)) << uint32(16)
-
-
-@device_function(**_DEVICE)
-def chunk_mma(acc, tile, x0, x1, wb, scratch):
-    """acc[tile, 0..3] += the chunk's 4 mma k-steps (module docstring's column order)."""
-    for j in range(4):
-        d0, d1, d2, d3 = mma_tf32(x0[2 * j], x1[2 * j], x0[2 * j + 1], x1[2 * j + 1], wb[2 * j], wb[2 * j + 1],
-                                  acc[tile, 0], acc[tile, 1], acc[tile, 2], acc[tile, 3], scratch)
-        acc[tile, 0] = d0
-        acc[tile, 1] = d1
-        acc[tile, 2] = d2
-        acc[tile, 3] = d3
+    return (bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) >> uint32(16)
 
 
 @kernel_cache.jit
-def gate_up_tc(x, w_gate_up, n_words, f, k, expert_offsets, sorted_pairs, active_experts, n_active, act):
-    """act[row, i] for every sorted row of every active expert. x: fp32 [s, d] viewed as uint64 [1, s, d/2];
-    w_gate_up: bf16 [e, 2f, d] viewed as uint64 [e, 2f, d/4] (n_words = d/8 words of 8 columns a row);
-    act float32 [P, f]. Grid (ceil(f / ROWS_PER_BLOCK), row_blocks(max active)), WARPS * 32 threads."""
-    scratch = cuda.shared.array(SCRATCH, float32)
-    lane = cuda.threadIdx.x % WARP
-    g, tq = lane >> 2, lane & 3
-    first_row = (cuda.blockIdx.x * WARPS + cuda.threadIdx.x // WARP) * 8
-    weight_row = min(first_row + g, f - 1)  # past f: a valid row, never stored
-    gate = cuda.local.array((TILES, 4), float32)
-    up = cuda.local.array((TILES, 4), float32)
-    w_gate = cuda.local.array(8, uint32)
-    w_up = cuda.local.array(8, uint32)
-    x0 = cuda.local.array(8, uint32)
-    x1 = cuda.local.array(8, uint32)
-    for active in range(cuda.blockIdx.y, n_active[0], cuda.gridDim.y):  # block-uniform: the mma syncs a warp
-        expert = active_experts[active]
-        begin = expert_offsets[expert]
-        end = expert_offsets[expert + 1]
-        for base in range(begin, end, 16 * TILES):
-            for t in range(TILES):
-                for c in range(4):
-                    gate[t, c] = 0.0
-                    up[t, c] = 0.0
-            for word in range(tq, n_words, 4):  # chunk of 32 columns: this lane's 8 of them
-                load_weights(w_gate_up, expert, weight_row, word, w_gate)
-                load_weights(w_gate_up, expert, f + weight_row, word, w_up)
-                for t in range(TILES):
-                    row0 = base + 16 * t + g
-                    row1 = row0 + 8
-                    load_activation(x, sorted_pairs[min(row0, end - 1)] // k, word, row0 < end, x0)
-                    load_activation(x, sorted_pairs[min(row1, end - 1)] // k, word, row1 < end, x1)
-                    chunk_mma(gate, t, x0, x1, w_gate, scratch)
-                    chunk_mma(up, t, x0, x1, w_up, scratch)
-            for t in range(TILES):
-                for c in range(4):  # C fragment: c0 (g, 2tq), c1 (g, 2tq + 1), c2 (g + 8, 2tq), c3 (g + 8, 2tq + 1)
-                    row = base + 16 * t + g + 8 * (c >> 1)
-                    column = first_row + 2 * tq + (c & 1)
-                    if row < end and column < f:
-                        act[row, column] = silu(gate[t, c]) * up[t, c]
+def _round_to_bf16(x, x_bits):
+    """x_bits[t, i] = bf16(x[t, 2i]) | bf16(x[t, 2i + 1]) << 16. x float32 [s, d]; x_bits uint32 [s, d/2].
+    Grid (ceil(d/2 / CONVERT_THREADS), row_blocks(s))."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < x_bits.shape[1]:
+        for t in range(cuda.blockIdx.y, x.shape[0], cuda.gridDim.y):
+            x_bits[t, i] = bf16_rne(x[t, 2 * i]) | (bf16_rne(x[t, 2 * i + 1]) << uint32(16))
 
 
-@kernel_cache.jit
-def down_tc(act, w_down, n_words, expert_offsets, sorted_pairs, active_experts, n_active, pair_out):
-    """pair_out[pair, j] for every sorted row of every active expert. act: fp32 [P, f] viewed as uint64
-    [1, P, f/2]; w_down: bf16 [e, d, f] viewed as uint64 [e, d, f/4] (n_words = f/8); pair_out float32 [P, d].
-    Grid (ceil(d / ROWS_PER_BLOCK), row_blocks(max active)), WARPS * 32 threads."""
-    scratch = cuda.shared.array(SCRATCH, float32)
-    d = pair_out.shape[1]
-    lane = cuda.threadIdx.x % WARP
-    g, tq = lane >> 2, lane & 3
-    first_row = (cuda.blockIdx.x * WARPS + cuda.threadIdx.x // WARP) * 8
-    weight_row = min(first_row + g, d - 1)
-    acc = cuda.local.array((TILES, 4), float32)
-    w_row = cuda.local.array(8, uint32)
-    x0 = cuda.local.array(8, uint32)
-    x1 = cuda.local.array(8, uint32)
-    for active in range(cuda.blockIdx.y, n_active[0], cuda.gridDim.y):
-        expert = active_experts[active]
-        begin = expert_offsets[expert]
-        end = expert_offsets[expert + 1]
-        for base in range(begin, end, 16 * TILES):
-            for t in range(TILES):
-                for c in range(4):
-                    acc[t, c] = 0.0
-            for word in range(tq, n_words, 4):
-                load_weights(w_down, expert, weight_row, word, w_row)
-                for t in range(TILES):
-                    row0 = base + 16 * t + g
-                    row1 = row0 + 8
-                    load_activation(act, min(row0, end - 1), word, row0 < end, x0)
-                    load_activation(act, min(row1, end - 1), word, row1 < end, x1)
-                    chunk_mma(acc, t, x0, x1, w_row, scratch)
-            for t in range(TILES):
-                for c in range(4):
-                    row = base + 16 * t + g + 8 * (c >> 1)
-                    column = first_row + 2 * tq + (c & 1)
-                    if row < end and column < d:
-                        pair_out[sorted_pairs[row], column] = acc[t, c]
+@device_function(**INLINE_DEVICE)
+def load_words(a, i, row, word, valid, out, at):
+    """out[at .. at + 3] = the 8 bf16 of a[i, row, columns 8 word .. 8 word + 7] as 4 uint32 pairs (zeros when
+    not valid). a: bf16 viewed as uint64 [n, rows, cols / 4]."""
+    first, second = load_u64x2(a, i, row, word) if valid else (uint64(0), uint64(0))
+    out[at] = uint32(first & uint64(0xFFFFFFFF))
+    out[at + 1] = uint32(first >> uint64(32))
+    out[at + 2] = uint32(second & uint64(0xFFFFFFFF))
+    out[at + 3] = uint32(second >> uint64(32))
+
+
+@device_function(**INLINE_DEVICE)
+def load_weight_chunk(w, expert, row_a, row_b, word, valid, out):
+    """out[8 m + 4 h + i]: m-tile m's weight row (row_a or row_b, + 8 h), bf16 pairs i of the lane's columns."""
+    load_words(w, expert, row_a, word, valid, out, 0)
+    load_words(w, expert, row_a + 8, word, valid, out, 4)
+    load_words(w, expert, row_b, word, valid, out, 8)
+    load_words(w, expert, row_b + 8, word, valid, out, 12)
+
+
+@device_function(**INLINE_DEVICE)
+def _mma_step(acc, o, weights, w, b0, b1, scratch):
+    """acc[o .. o + 3] += one k-step: A = weights[w], [w + 4], [w + 1], [w + 5] (rows g, g + 8), B = b0, b1."""
+    acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_bf16(
+        weights[w], weights[w + 4], weights[w + 1], weights[w + 5], b0, b1, acc[o], acc[o + 1], acc[o + 2],
+        acc[o + 3], scratch)
+
+
+@device_function(**INLINE_DEVICE)
+def _zero(o, acc):
+    acc[o] = float32(0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def tc_kernels(config: TcConfig):
+    """(gate_up, down) kernels for one launch shape. Accumulators per lane: 2 m-tiles x n_tiles x 4."""
+    k_split, n_tiles = config.k_split, config.n_tiles
+    acc_size = 2 * n_tiles * 4
+    scratch_size = k_split * BF16_SCRATCH_PER_WARP if ON_SIMULATOR else 1
+    partials_size = max(1, (k_split - 1) * acc_size * WARP)  # warps 1 .. k_split - 1's partial sums
+    jit_options = dict(max_registers=config.max_registers) if config.max_registers and not ON_SIMULATOR else {}
+
+    def tile_step(n, args):
+        """Token tile n's share of one chunk: its B fragment, then both m-tiles' two k-steps."""
+        acc, weights, tokens, source_rows, word, valid, n_used, b, scratch = args
+        if n < n_used:  # warp-uniform: the mma needs the whole warp
+            load_words(tokens, 0, source_rows[n], word, valid and source_rows[n] >= 0, b, 0)
+            _mma_step(acc, 4 * n, weights, 0, b[0], b[1], scratch)
+            _mma_step(acc, 4 * n, weights, 2, b[2], b[3], scratch)
+            _mma_step(acc, 4 * (n_tiles + n), weights, 8, b[0], b[1], scratch)
+            _mma_step(acc, 4 * (n_tiles + n), weights, 10, b[2], b[3], scratch)
+
+    chunk_mma = static_for(n_tiles, device_function(**INLINE_DEVICE)(tile_step))
+    zero_all = static_for(acc_size, _zero)
+
+    @device_function(**INLINE_DEVICE)
+    def products(acc, w, expert, row_a, row_b, n_chunks, tokens, source_rows, n_used, weights_a, weights_b, b,
+                 scratch):
+        """acc = this warp's share of K of both m-tiles x the pass's token tiles (module docstring's order), the
+        next chunk's weights loaded under this chunk's mma. Every warp runs the same number of steps (the
+        simulator's mma syncs the block); steps past K add zeros."""
+        warp = cuda.threadIdx.x // WARP
+        tq = cuda.threadIdx.x & 3
+        steps = (n_chunks + k_split - 1) // k_split
+        first = warp * steps
+        zero_all(acc)
+        load_weight_chunk(w, expert, row_a, row_b, 4 * first + tq, first < n_chunks, weights_a)
+        for step in range(0, steps, 2):
+            chunk = first + step
+            if step + 1 < steps:
+                load_weight_chunk(w, expert, row_a, row_b, 4 * (chunk + 1) + tq, chunk + 1 < n_chunks, weights_b)
+            chunk_mma((acc, weights_a, tokens, source_rows, 4 * chunk + tq, chunk < n_chunks, n_used, b, scratch))
+            if step + 1 < steps:
+                if step + 2 < steps:
+                    load_weight_chunk(w, expert, row_a, row_b, 4 * (chunk + 2) + tq, chunk + 2 < n_chunks,
+                                      weights_a)
+                chunk_mma((acc, weights_b, tokens, source_rows, 4 * (chunk + 1) + tq, chunk + 1 < n_chunks, n_used,
+                           b, scratch))
+
+    def share(o, args):
+        """Warps 1 .. k_split - 1: accumulator o of this lane into shared memory."""
+        acc, partials, at = args
+        partials[at + o * WARP] = acc[o]
+
+    def gather(o, args):
+        """Warp 0: accumulator o plus the other warps' partial sums, in warp order."""
+        acc, partials, lane = args
+        total = acc[o]
+        for q in range(k_split - 1):
+            total += partials[(q * acc_size + o) * WARP + lane]
+        acc[o] = total
+
+    share_all = static_for(acc_size, device_function(**INLINE_DEVICE)(share))
+    gather_all = static_for(acc_size, device_function(**INLINE_DEVICE)(gather))
+
+    @device_function(**INLINE_DEVICE)
+    def add_partials(acc, partials):
+        """Warp 0's acc += the other warps' (fixed order); the block syncs before and after."""
+        warp = cuda.threadIdx.x // WARP
+        lane = cuda.threadIdx.x % WARP
+        if warp > 0:
+            share_all((acc, partials, (warp - 1) * acc_size * WARP + lane))
+        cuda.syncthreads()
+        if warp == 0:
+            gather_all((acc, partials, lane))
+
+    def pass_row(n, args):
+        """source_rows[n] = the row that token tile n of the pass loads for this lane: its token's row of x if
+        by_token, else its sorted row of act; -1 past the expert's pairs."""
+        source_rows, base, end, sorted_pairs, k, by_token = args
+        row = base + 8 * n + ((cuda.threadIdx.x % WARP) >> 2)
+        source = -1
+        if row < end:
+            source = sorted_pairs[row] // k if by_token else row
+        source_rows[n] = source
+
+    pass_rows = static_for(n_tiles, device_function(**INLINE_DEVICE)(pass_row))
+
+    def store_act(o, args):
+        """Warp 0: act = bf16(silu(gate) * up) for C-fragment entry o of the gate m-tile (o < 4 n_tiles)."""
+        acc, act_bits, base, end, first_row, f = args
+        lane = cuda.threadIdx.x % WARP
+        g, tq = lane >> 2, lane & 3
+        n, c = o // 4, o % 4
+        row = base + 8 * n + 2 * tq + (c & 1)
+        column = first_row + g + 8 * (c >> 1)
+        if row < end and column < f:
+            act_bits[row, column] = uint16(bf16_rne(silu(acc[o]) * acc[o + 4 * n_tiles]))
+
+    def store_down(o, args):
+        """Warp 0: pair_out[pair, j] for C-fragment entry o."""
+        acc, pair_out, sorted_pairs, base, end, first_row = args
+        lane = cuda.threadIdx.x % WARP
+        g, tq = lane >> 2, lane & 3
+        m, n, c = o // (4 * n_tiles), (o // 4) % n_tiles, o % 4
+        row = base + 8 * n + 2 * tq + (c & 1)
+        column = first_row + 16 * m + g + 8 * (c >> 1)
+        if row < end and column < pair_out.shape[1]:
+            pair_out[sorted_pairs[row], column] = acc[o]
+
+    store_act_all = static_for(4 * n_tiles, device_function(**INLINE_DEVICE)(store_act))
+    store_down_all = static_for(acc_size, device_function(**INLINE_DEVICE)(store_down))
+    tokens_per_pass = 8 * n_tiles
+
+    @kernel_cache.jit(**jit_options)
+    def gate_up_tc(x_bits, w_gate_up, n_chunks, f, k, expert_offsets, sorted_pairs, active_experts, n_active,
+                   act_bits):
+        """act_bits[row, i] for every sorted row of every active expert. x_bits: bf16 x [s, d] viewed as uint64
+        [1, s, d/4]; w_gate_up: bf16 [e, 2f, d] viewed as uint64 [e, 2f, d/4]; n_chunks = d / 32; act_bits
+        uint16 [P, >= f]. Grid (f / 16, row_blocks(max active)), k_split * 32 threads."""
+        scratch = cuda.shared.array(scratch_size, float32)
+        partials = cuda.shared.array(partials_size, float32)
+        acc = cuda.local.array(acc_size, float32)
+        weights_a = cuda.local.array(16, uint32)
+        weights_b = cuda.local.array(16, uint32)
+        b = cuda.local.array(4, uint32)
+        source_rows = cuda.local.array(n_tiles, int32)
+        first_row = cuda.blockIdx.x * 16
+        gate_row = first_row + ((cuda.threadIdx.x % WARP) >> 2)  # f % 16 == 0: rows g and g + 8 exist
+        for active in range(cuda.blockIdx.y, n_active[0], cuda.gridDim.y):  # block-uniform: the block syncs
+            expert = active_experts[active]
+            begin = expert_offsets[expert]
+            end = expert_offsets[expert + 1]
+            for base in range(begin, end, tokens_per_pass):
+                pass_rows((source_rows, base, end, sorted_pairs, k, True))
+                n_used = min(n_tiles, (end - base + 7) // 8)
+                products(acc, w_gate_up, expert, gate_row, f + gate_row, n_chunks, x_bits, source_rows, n_used,
+                         weights_a, weights_b, b, scratch)
+                add_partials(acc, partials)
+                if cuda.threadIdx.x < WARP:
+                    store_act_all((acc, act_bits, base, end, first_row, f))
+                cuda.syncthreads()  # partials are reused by the next pass
+
+    @kernel_cache.jit(**jit_options)
+    def down_tc(act_words, w_down, n_chunks, expert_offsets, sorted_pairs, active_experts, n_active, pair_out):
+        """pair_out[pair, j] for every sorted row of every active expert. act_words: bf16 act viewed as uint64
+        [1, P, >= f/4]; w_down: bf16 [e, d, f] viewed as uint64 [e, d, f/4]; n_chunks = f / 32; pair_out
+        float32 [P, d]. Grid (d / 32, row_blocks(max active)), k_split * 32 threads."""
+        scratch = cuda.shared.array(scratch_size, float32)
+        partials = cuda.shared.array(partials_size, float32)
+        acc = cuda.local.array(acc_size, float32)
+        weights_a = cuda.local.array(16, uint32)
+        weights_b = cuda.local.array(16, uint32)
+        b = cuda.local.array(4, uint32)
+        source_rows = cuda.local.array(n_tiles, int32)
+        first_row = cuda.blockIdx.x * BLOCK_ROWS
+        g = (cuda.threadIdx.x % WARP) >> 2
+        for active in range(cuda.blockIdx.y, n_active[0], cuda.gridDim.y):
+            expert = active_experts[active]
+            begin = expert_offsets[expert]
+            end = expert_offsets[expert + 1]
+            for base in range(begin, end, tokens_per_pass):
+                pass_rows((source_rows, base, end, sorted_pairs, 1, False))
+                n_used = min(n_tiles, (end - base + 7) // 8)
+                products(acc, w_down, expert, first_row + g, first_row + 16 + g, n_chunks, act_words, source_rows,
+                         n_used, weights_a, weights_b, b, scratch)
+                add_partials(acc, partials)
+                if cuda.threadIdx.x < WARP:
+                    store_down_all((acc, pair_out, sorted_pairs, base, end, first_row))
+                cuda.syncthreads()
+
+    return gate_up_tc, down_tc
 
 
 def supports(d: int, f: int) -> bool:
@@ -176,24 +286,31 @@ def supports(d: int, f: int) -> bool:
     return d % CHUNK == 0 and f % CHUNK == 0
 
 
-def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, stream=0):
+def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, stream=0, config=None):
     """experts.grouped_swiglu on the tensor cores. Arguments already checked as there, plus: bf16 weight views
-    (weight_view) and d, f multiples of 32; x, act and the weights 16-byte aligned."""
+    (weight_view) and d, f multiples of 32; x, act, pair_out and the weights 16-byte aligned; act and pair_out
+    C-contiguous (their storage also holds bf16 act and bf16 x). ``config``: a TcConfig (DEFAULT_TC_CONFIG)."""
     (gate_view, gate_bf16), (down_view, down_bf16) = w_gate_up, w_down
     s, d = x.shape
-    f = act.shape[1]
+    n_pairs, f = act.shape
     if not (gate_bf16 and down_bf16) or not supports(d, f):
         raise ValueError(f"tensor-core experts need bf16 weights and d, f multiples of {CHUNK} (d={d}, f={f})")
-    for name, array in (("x", x), ("act", act), ("w_gate_up", gate_view), ("w_down", down_view)):
+    for name, array in (("x", x), ("act", act), ("pair_out", pair_out), ("w_gate_up", gate_view),
+                        ("w_down", down_view)):
         if _address(array) % 16:
             raise ValueError(f"tensor-core experts: {name} must be 16-byte aligned")
     max_active = plan.active_experts.shape[0]
     if max_active == 0:
         return
-    threads = WARPS * WARP
-    gate_up_tc[(math.ceil(f / ROWS_PER_BLOCK), row_blocks(max_active)), threads, stream](
-        x.view(np.uint64).reshape(1, s, d // 2), gate_view.view(np.uint64), d // 8, f, k, plan.expert_offsets,
-        plan.sorted_pairs, plan.active_experts, plan.n_active, act)
-    down_tc[(math.ceil(d / ROWS_PER_BLOCK), row_blocks(max_active)), threads, stream](
-        act.view(np.uint64).reshape(1, act.shape[0], f // 2), down_view.view(np.uint64), f // 8, plan.expert_offsets,
-        plan.sorted_pairs, plan.active_experts, plan.n_active, pair_out)
+    x_bits = pair_out.reshape(n_pairs * d).view(np.uint32)[:s * d // 2].reshape(s, d // 2)
+    _round_to_bf16[(math.ceil(d // 2 / CONVERT_THREADS), row_blocks(s)), CONVERT_THREADS, stream](x, x_bits)
+    config = config or DEFAULT_TC_CONFIG
+    gate_up_tc, down_tc = tc_kernels(config)
+    threads = config.k_split * WARP
+    act_bits = act.view(np.uint16)  # [P, 2f]: bf16 act in the first f columns
+    gate_up_tc[(f // 16, row_blocks(max_active)), threads, stream](
+        x_bits.view(np.uint64).reshape(1, s, d // 4), gate_view.view(np.uint64), d // CHUNK, f, k,
+        plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, act_bits)
+    down_tc[(d // BLOCK_ROWS, row_blocks(max_active)), threads, stream](
+        act.view(np.uint64).reshape(1, n_pairs, f // 2), down_view.view(np.uint64), f // CHUNK,
+        plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, pair_out)

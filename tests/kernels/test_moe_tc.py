@@ -2,7 +2,7 @@
 
 Against a float64 reference that rounds the activations to bf16 as the kernels do (x before gate_up, act before
 down); outputs NaN-poisoned; and batch invariance: each token run alone gives the bits it gets among all s.
-Simulator: toy sizes (d = 64, f = 32, 5 experts, one expert holding every token so it takes several passes);
+Simulator: toy sizes (d = 64 and 160, f = 32, 5 experts, one expert holding every token so it takes several passes);
 GPU: Kimi K2's d = 7168, f = 2048 with 8 experts, s = 1, 8 and 256.
 """
 import numpy as np
@@ -11,7 +11,7 @@ from numba import cuda
 
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.numba_kernels.moe.experts import moe_experts
-from kdspec.numba_kernels.moe.experts_tc import TILES, supports
+from kdspec.numba_kernels.moe.experts_tc import DEFAULT_TC_CONFIG, supports
 
 from kernel_checks import assert_close, poisoned
 
@@ -62,10 +62,11 @@ def assert_tokens_alone_equal(x, ids, weights, gate_up, down, together, tokens):
 
 
 @pytest.mark.sim
-def test_tensor_core_experts_match_the_bf16_reference_and_are_batch_invariant():
+@pytest.mark.parametrize("d", [64, 160])  # 2 and 5 chunks of K: each warp's share, odd and even, and a warp idle
+def test_tensor_core_experts_match_the_bf16_reference_and_are_batch_invariant(d):
     rng = np.random.default_rng(11)
-    s = 16 * TILES + 3  # expert 0 holds every token: more than one pass of TILES tiles
-    x, ids, weights, gate_up, down = random_case(rng, s, 64, 32, 5, 2, one_expert_for_all=True)
+    s = 16 * DEFAULT_TC_CONFIG.n_tiles + 3  # expert 0 holds every token: three passes
+    x, ids, weights, gate_up, down = random_case(rng, s, d, 32, 5, 2, one_expert_for_all=True)
     together = run(x, ids, weights, gate_up, down)
     tokens = [0, 1, s // 2, s - 1]
     assert_close(together[tokens], reference(x, ids, weights, gate_up, down, tokens), 1e-5)  # seen: 1e-7

@@ -4,6 +4,9 @@
     python3 -m tools.sweeps.moe --sim    (CUDA simulator, toy sizes: a few seconds; the times mean nothing)
     python3 -m tools.sweeps.moe --experts 32 --tokens 1,8,16,64   (k2-mini's routing: 32 experts, so a
         verify of 8 tokens already gives each active expert ~3.4 tokens; --only c0,c9: a subset of configs)
+    python3 -m tools.sweeps.moe --tensor-cores   (the bf16 tensor-core kernels, experts_tc.py: every TcConfig
+        of TC_CONFIGS, named t0, t1, ..., beside the SIMT default; checked to TC_RTOL, since they round x and
+        act to bf16 where the reference does not)
 
 Kimi K2 sizes: E=384 experts, top-8, d=7168, f=2048, bf16 weights (bits in int16).
 1. correctness: moe_experts with no config (default_config) and with every swept config against a float64
@@ -29,6 +32,7 @@ from numba import cuda  # noqa: E402
 
 from kdspec.engine.bench.common import ceilings, time_gpu  # noqa: E402
 from kdspec.numba_kernels.moe import experts as moe  # noqa: E402
+from kdspec.numba_kernels.moe import experts_tc  # noqa: E402
 from kdspec.numba_kernels.runtime import ON_SIMULATOR
 from tools.sweeps.report import kernel_resources, log  # noqa: E402
 
@@ -80,6 +84,15 @@ def _option(name: str, default):
     return args[args.index(name) + 1] if name in args[:-1] else default
 
 
+T = experts_tc.TcConfig
+TC_CONFIGS = [experts_tc.DEFAULT_TC_CONFIG] + ([] if ON_SIMULATOR else [
+    T(4, 2), T(4, 8), T(4, 4, 168), T(8, 4), T(2, 4)])   # (k_split, n_tiles, register cap)
+TENSOR_CORES = "--tensor-cores" in sys.argv[1:]
+if TENSOR_CORES:
+    CONFIGS = list(dict.fromkeys(TC_CONFIGS))
+    if ON_SIMULATOR:
+        D, F = 64, 32  # whole 32-column chunks
+TC_RTOL = 1e-2  # x and act rounded to bf16 (2^-9 relative each) against a reference that keeps them fp32
 E = int(_option("--experts", E))
 TOKENS = tuple(int(t) for t in str(_option("--tokens", ",".join(map(str, TOKENS)))).split(","))
 ONLY = set(_option("--only", "").split(",")) - {""}
@@ -89,6 +102,8 @@ EXPERT_BYTES = 3 * D * F * 2  # one expert's bf16 gate, up and down
 
 
 def config_name(index: int) -> str:
+    if TENSOR_CORES:
+        return f"t{index}" + ("*" if CONFIGS[index] == experts_tc.DEFAULT_TC_CONFIG else "")
     return f"c{index}" + ("*" if CONFIGS[index] == moe.DEFAULT_CONFIG else "")
 
 
@@ -141,13 +156,13 @@ def reference(x, ids, weights, tokens, gate_up, down):
     return y.cpu().numpy()
 
 
-def check(label: str, got: np.ndarray, want: np.ndarray, tokens) -> bool:
+def check(label: str, got: np.ndarray, want: np.ndarray, tokens, rtol: float = RTOL) -> bool:
     if not np.isfinite(got).all():
         log(f"  check {label}: FAIL output not fully written (NaN left) or non-finite")
         return False
     err = float(np.abs(got[tokens] - want).max() / np.abs(want).max())
-    log(f"  check {label}: max err / max |ref| = {err:.2e} {'ok' if err <= RTOL else 'FAIL'}")
-    return err <= RTOL
+    log(f"  check {label}: max err / max |ref| = {err:.2e} {'ok' if err <= rtol else 'FAIL'}")
+    return err <= rtol
 
 
 def breakdown(x, ids, gate_view, down_view, whole: float, config) -> dict:
@@ -194,11 +209,15 @@ def main() -> int:
         runs = [("auto", None)] + [(config_name(i), config) for i, config in enumerate(CONFIGS)
                                    if not ONLY or config_name(i).rstrip("*") in ONLY]
         for name, config in runs:
-            def call(out, config=config):
-                return moe.moe_experts(x, ids, weights, w_gate_up, w_down, out=out, config=config)
+            tensor_cores = isinstance(config, experts_tc.TcConfig)
+
+            def call(out, config=config, tensor_cores=tensor_cores):
+                return moe.moe_experts(x, ids, weights, w_gate_up, w_down, out=out, config=config,
+                                       tensor_cores=tensor_cores)
             out = cuda.to_device(np.full((s, D), np.nan, np.float32))
             try:
-                ok = check(f"{name} s={s}", call(out).copy_to_host(), want, tokens)
+                ok = check(f"{name} s={s}", call(out).copy_to_host(), want, tokens,
+                           TC_RTOL if tensor_cores else RTOL)
             except Exception as error:  # noqa: BLE001 - one broken config must not end the sweep
                 log(f"  check {name} s={s}: FAIL {type(error).__name__}: {str(error).splitlines()[0][:200]}")
                 ok = False
@@ -222,8 +241,11 @@ def main() -> int:
     for i, config in enumerate(CONFIGS):
         if ONLY and config_name(i).rstrip("*") not in ONLY:
             continue
-        gate_up_kernel = moe.expert_kernels(moe.word_width(gate_view, x_probe, config), config)[0]
-        down_kernel = moe.expert_kernels(moe.word_width(down_view, act, config), config)[1]
+        if TENSOR_CORES:
+            gate_up_kernel, down_kernel = experts_tc.tc_kernels(config)
+        else:
+            gate_up_kernel = moe.expert_kernels(moe.word_width(gate_view, x_probe, config), config)[0]
+            down_kernel = moe.expert_kernels(moe.word_width(down_view, act, config), config)[1]
         log(f"  {config_name(i)}: {config}; gate_up {kernel_resources(gate_up_kernel, ON_SIMULATOR)}; "
             f"down {kernel_resources(down_kernel, ON_SIMULATOR)}")
 
