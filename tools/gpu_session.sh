@@ -104,11 +104,12 @@ profile-kernels)
     ;;
 experts-tc)
     step tc-tests 150 python3 -m pytest -q -m gpu tests/kernels/test_moe_tc.py
-    step tc-sweep-32 200 python3 -W ignore -m tools.sweeps.moe --tensor-cores --experts 32 --tokens 1,8,64,256
     step bench-e2e 200 "${kdtree[@]}" bench e2e
+    step tc-sweep-32 240 python3 -W ignore -m tools.sweeps.moe --tensor-cores --experts 32 --tokens 1,8,64,256
     step invariance-k2 90 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[True]"
-    step tc-sweep-384 120 python3 -W ignore -m tools.sweeps.moe --tensor-cores --tokens 1,256 --only t0
-    grep -a -E "^ +[0-9]+ +(auto|t[0-9])|^best|^[0-9]+ (passed|failed)|^(FAILED|ERROR)|CHECKS|copy bandwidth" "$log"
+    step tc-sweep-384 120 python3 -W ignore -m tools.sweeps.moe --tensor-cores --tokens 1,256 --only t0,t1
+    grep -a -E "^ +[0-9]+ +(auto|t[0-9])|^best|^[0-9]+ (passed|failed)|^(FAILED|ERROR)|CHECKS|copy bandwidth|breakdown" "$log" \
+        | cut -c1-160
     grep -a -A30 "^| run" "$log" | head -40
     ;;
 invariance)

@@ -46,18 +46,31 @@ CONVERT_THREADS = 32 if ON_SIMULATOR else 256
 class TcConfig:
     """Launch shape of the tensor-core gate_up and down kernels (each config compiles its own kernels)."""
 
-    k_split: int             # warps per block, each summing its own share of K
+    k_split: int             # warps per block, each summing its own share of K (fixes the bits: see below)
     n_tiles: int             # 8-token tiles per pass (register-blocked): tokens per pass = 8 n_tiles
+    chunks_per_step: int = 1  # 32-column chunks loaded together; two steps in flight
     max_registers: int = 0   # per-thread register cap for the compiler (0: none)
 
     def __post_init__(self):
-        if not 1 <= self.k_split <= 8 or not 1 <= self.n_tiles <= 8 or self.max_registers < 0:
+        if not (1 <= self.k_split <= 8 and 1 <= self.n_tiles <= 8 and 1 <= self.chunks_per_step <= 4
+                and self.max_registers >= 0):
             raise ValueError(f"TcConfig: k_split {self.k_split} (1..8), n_tiles {self.n_tiles} (1..8), "
-                             f"max_registers {self.max_registers}")
+                             f"chunks_per_step {self.chunks_per_step} (1..4), max_registers {self.max_registers}")
 
 
-# The simulator runs every thread in Python: two warps (the K split and its sum still run) and 16 tokens a pass.
-DEFAULT_TC_CONFIG = TcConfig(2, 2) if ON_SIMULATOR else TcConfig(4, 4)
+# Launch shapes by the mean number of pairs an active expert gets (tc_config_for). They share one k_split, so a
+# token gets the same bits whichever runs it: the choice may follow the token count without breaking batch
+# invariance. The simulator runs every thread in Python: two warps (the K split and its sum still run).
+K_SPLIT = 2 if ON_SIMULATOR else 4
+FEW_PAIRS_CONFIG = TcConfig(K_SPLIT, 1, 2)  # AR and small trees: weights streamed, two chunks a load step
+MANY_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 4, 1, 0 if ON_SIMULATOR else 168)
+FEW_PAIRS = 4  # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs
+
+
+def tc_config_for(n_pairs: int, n_experts: int) -> TcConfig:
+    """The launch shape for n_pairs (token, expert) pairs over n_experts experts."""
+    mean_pairs = n_pairs / max(1, min(n_experts, n_pairs))
+    return FEW_PAIRS_CONFIG if mean_pairs <= FEW_PAIRS else MANY_PAIRS_CONFIG
 
 
 @device_function(**INLINE_DEVICE)
@@ -89,12 +102,13 @@ def load_words(a, i, row, word, valid, out, at):
 
 
 @device_function(**INLINE_DEVICE)
-def load_weight_chunk(w, expert, row_a, row_b, word, valid, out):
-    """out[8 m + 4 h + i]: m-tile m's weight row (row_a or row_b, + 8 h), bf16 pairs i of the lane's columns."""
-    load_words(w, expert, row_a, word, valid, out, 0)
-    load_words(w, expert, row_a + 8, word, valid, out, 4)
-    load_words(w, expert, row_b, word, valid, out, 8)
-    load_words(w, expert, row_b + 8, word, valid, out, 12)
+def load_weight_chunk(w, expert, row_a, row_b, word, valid, out, at):
+    """out[at + 8 m + 4 h + i]: m-tile m's weight row (row_a or row_b, + 8 h), bf16 pairs i of the lane's
+    columns."""
+    load_words(w, expert, row_a, word, valid, out, at)
+    load_words(w, expert, row_a + 8, word, valid, out, at + 4)
+    load_words(w, expert, row_b, word, valid, out, at + 8)
+    load_words(w, expert, row_b + 8, word, valid, out, at + 12)
 
 
 @device_function(**INLINE_DEVICE)
@@ -113,48 +127,65 @@ def _zero(o, acc):
 @functools.lru_cache(maxsize=None)
 def tc_kernels(config: TcConfig):
     """(gate_up, down) kernels for one launch shape. Accumulators per lane: 2 m-tiles x n_tiles x 4."""
-    k_split, n_tiles = config.k_split, config.n_tiles
+    k_split, n_tiles, per_step = config.k_split, config.n_tiles, config.chunks_per_step
     acc_size = 2 * n_tiles * 4
+    weight_words = 16 * per_step  # uint32 per lane per buffer: 2 m-tiles x rows g, g + 8 x 4 bf16 pairs a chunk
     scratch_size = k_split * BF16_SCRATCH_PER_WARP if ON_SIMULATOR else 1
     partials_size = max(1, (k_split - 1) * acc_size * WARP)  # warps 1 .. k_split - 1's partial sums
     jit_options = dict(max_registers=config.max_registers) if config.max_registers and not ON_SIMULATOR else {}
 
     def tile_step(n, args):
-        """Token tile n's share of one chunk: its B fragment, then both m-tiles' two k-steps."""
-        acc, weights, tokens, source_rows, word, valid, n_used, b, scratch = args
+        """Token tile n's share of one chunk (weights[at ..]): its B fragment, then both m-tiles' two k-steps."""
+        acc, weights, at, tokens, source_rows, word, valid, n_used, b, scratch = args
         if n < n_used:  # warp-uniform: the mma needs the whole warp
             load_words(tokens, 0, source_rows[n], word, valid and source_rows[n] >= 0, b, 0)
-            _mma_step(acc, 4 * n, weights, 0, b[0], b[1], scratch)
-            _mma_step(acc, 4 * n, weights, 2, b[2], b[3], scratch)
-            _mma_step(acc, 4 * (n_tiles + n), weights, 8, b[0], b[1], scratch)
-            _mma_step(acc, 4 * (n_tiles + n), weights, 10, b[2], b[3], scratch)
+            _mma_step(acc, 4 * n, weights, at, b[0], b[1], scratch)
+            _mma_step(acc, 4 * n, weights, at + 2, b[2], b[3], scratch)
+            _mma_step(acc, 4 * (n_tiles + n), weights, at + 8, b[0], b[1], scratch)
+            _mma_step(acc, 4 * (n_tiles + n), weights, at + 10, b[2], b[3], scratch)
 
     chunk_mma = static_for(n_tiles, device_function(**INLINE_DEVICE)(tile_step))
     zero_all = static_for(acc_size, _zero)
+
+    def load_chunk(i, args):
+        """Chunk chunk + i of a step into weights[16 i ..] (zeros past the warp's share of K)."""
+        w, expert, row_a, row_b, chunk, end, weights = args
+        tq = cuda.threadIdx.x & 3
+        load_weight_chunk(w, expert, row_a, row_b, 4 * (chunk + i) + tq, chunk + i < end, weights, 16 * i)
+
+    def mma_chunk(i, args):
+        """The mma of chunk chunk + i of a step, in chunk order."""
+        acc, weights, tokens, source_rows, chunk, end, n_used, b, scratch = args
+        tq = cuda.threadIdx.x & 3
+        chunk_mma((acc, weights, 16 * i, tokens, source_rows, 4 * (chunk + i) + tq, chunk + i < end, n_used, b,
+                   scratch))
+
+    load_step = static_for(per_step, device_function(**INLINE_DEVICE)(load_chunk))
+    mma_step = static_for(per_step, device_function(**INLINE_DEVICE)(mma_chunk))
 
     @device_function(**INLINE_DEVICE)
     def products(acc, w, expert, row_a, row_b, n_chunks, tokens, source_rows, n_used, weights_a, weights_b, b,
                  scratch):
         """acc = this warp's share of K of both m-tiles x the pass's token tiles (module docstring's order), the
-        next chunk's weights loaded under this chunk's mma. Every warp runs the same number of steps (the
-        simulator's mma syncs the block); steps past K add zeros."""
+        next step's weights loaded under this step's mma. Warp q's share is chunks q * share .. (q + 1) * share
+        - 1 whatever chunks_per_step is, so configs with one k_split give the same bits. Every warp runs the
+        same number of steps (the simulator's mma syncs the block); chunks past the share add zeros."""
         warp = cuda.threadIdx.x // WARP
-        tq = cuda.threadIdx.x & 3
-        steps = (n_chunks + k_split - 1) // k_split
-        first = warp * steps
+        share = (n_chunks + k_split - 1) // k_split
+        first = warp * share
+        end = min(first + share, n_chunks)
+        steps = (share + per_step - 1) // per_step
         zero_all(acc)
-        load_weight_chunk(w, expert, row_a, row_b, 4 * first + tq, first < n_chunks, weights_a)
+        load_step((w, expert, row_a, row_b, first, end, weights_a))
         for step in range(0, steps, 2):
-            chunk = first + step
+            chunk = first + step * per_step
             if step + 1 < steps:
-                load_weight_chunk(w, expert, row_a, row_b, 4 * (chunk + 1) + tq, chunk + 1 < n_chunks, weights_b)
-            chunk_mma((acc, weights_a, tokens, source_rows, 4 * chunk + tq, chunk < n_chunks, n_used, b, scratch))
+                load_step((w, expert, row_a, row_b, chunk + per_step, end, weights_b))
+            mma_step((acc, weights_a, tokens, source_rows, chunk, end, n_used, b, scratch))
             if step + 1 < steps:
                 if step + 2 < steps:
-                    load_weight_chunk(w, expert, row_a, row_b, 4 * (chunk + 2) + tq, chunk + 2 < n_chunks,
-                                      weights_a)
-                chunk_mma((acc, weights_b, tokens, source_rows, 4 * (chunk + 1) + tq, chunk + 1 < n_chunks, n_used,
-                           b, scratch))
+                    load_step((w, expert, row_a, row_b, chunk + 2 * per_step, end, weights_a))
+                mma_step((acc, weights_b, tokens, source_rows, chunk + per_step, end, n_used, b, scratch))
 
     def share(o, args):
         """Warps 1 .. k_split - 1: accumulator o of this lane into shared memory."""
@@ -230,8 +261,8 @@ def tc_kernels(config: TcConfig):
         scratch = cuda.shared.array(scratch_size, float32)
         partials = cuda.shared.array(partials_size, float32)
         acc = cuda.local.array(acc_size, float32)
-        weights_a = cuda.local.array(16, uint32)
-        weights_b = cuda.local.array(16, uint32)
+        weights_a = cuda.local.array(weight_words, uint32)
+        weights_b = cuda.local.array(weight_words, uint32)
         b = cuda.local.array(4, uint32)
         source_rows = cuda.local.array(n_tiles, int32)
         first_row = cuda.blockIdx.x * 16
@@ -258,8 +289,8 @@ def tc_kernels(config: TcConfig):
         scratch = cuda.shared.array(scratch_size, float32)
         partials = cuda.shared.array(partials_size, float32)
         acc = cuda.local.array(acc_size, float32)
-        weights_a = cuda.local.array(16, uint32)
-        weights_b = cuda.local.array(16, uint32)
+        weights_a = cuda.local.array(weight_words, uint32)
+        weights_b = cuda.local.array(weight_words, uint32)
         b = cuda.local.array(4, uint32)
         source_rows = cuda.local.array(n_tiles, int32)
         first_row = cuda.blockIdx.x * BLOCK_ROWS
@@ -289,7 +320,7 @@ def supports(d: int, f: int) -> bool:
 def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, stream=0, config=None):
     """experts.grouped_swiglu on the tensor cores. Arguments already checked as there, plus: bf16 weight views
     (weight_view) and d, f multiples of 32; x, act, pair_out and the weights 16-byte aligned; act and pair_out
-    C-contiguous (their storage also holds bf16 act and bf16 x). ``config``: a TcConfig (DEFAULT_TC_CONFIG)."""
+    C-contiguous (their storage also holds bf16 act and bf16 x). ``config``: a TcConfig (default: tc_config_for)."""
     (gate_view, gate_bf16), (down_view, down_bf16) = w_gate_up, w_down
     s, d = x.shape
     n_pairs, f = act.shape
@@ -304,7 +335,7 @@ def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, 
         return
     x_bits = pair_out.reshape(n_pairs * d).view(np.uint32)[:s * d // 2].reshape(s, d // 2)
     _round_to_bf16[(math.ceil(d // 2 / CONVERT_THREADS), row_blocks(s)), CONVERT_THREADS, stream](x, x_bits)
-    config = config or DEFAULT_TC_CONFIG
+    config = config or tc_config_for(plan.sorted_pairs.shape[0], plan.expert_counts.shape[0])
     gate_up_tc, down_tc = tc_kernels(config)
     threads = config.k_split * WARP
     act_bits = act.view(np.uint16)  # [P, 2f]: bf16 act in the first f columns

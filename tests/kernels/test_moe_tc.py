@@ -11,7 +11,7 @@ from numba import cuda
 
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.numba_kernels.moe.experts import moe_experts
-from kdspec.numba_kernels.moe.experts_tc import DEFAULT_TC_CONFIG, supports
+from kdspec.numba_kernels.moe.experts_tc import FEW_PAIRS_CONFIG, MANY_PAIRS_CONFIG, supports, tc_config_for
 
 from kernel_checks import assert_close, poisoned
 
@@ -65,8 +65,10 @@ def assert_tokens_alone_equal(x, ids, weights, gate_up, down, together, tokens):
 @pytest.mark.parametrize("d", [64, 160])  # 2 and 5 chunks of K: each warp's share, odd and even, and a warp idle
 def test_tensor_core_experts_match_the_bf16_reference_and_are_batch_invariant(d):
     rng = np.random.default_rng(11)
-    s = 16 * DEFAULT_TC_CONFIG.n_tiles + 3  # expert 0 holds every token: three passes
+    s = 16 * MANY_PAIRS_CONFIG.n_tiles + 3  # expert 0 holds every token: three passes
     x, ids, weights, gate_up, down = random_case(rng, s, d, 32, 5, 2, one_expert_for_all=True)
+    # all tokens run MANY_PAIRS_CONFIG, each token alone FEW_PAIRS_CONFIG: the bits must not depend on it
+    assert tc_config_for(s * 2, 5) == MANY_PAIRS_CONFIG and tc_config_for(2, 5) == FEW_PAIRS_CONFIG
     together = run(x, ids, weights, gate_up, down)
     tokens = [0, 1, s // 2, s - 1]
     assert_close(together[tokens], reference(x, ids, weights, gate_up, down, tokens), 1e-5)  # seen: 1e-7

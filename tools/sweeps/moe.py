@@ -85,8 +85,9 @@ def _option(name: str, default):
 
 
 T = experts_tc.TcConfig
-TC_CONFIGS = [experts_tc.DEFAULT_TC_CONFIG] + ([] if ON_SIMULATOR else [
-    T(4, 2), T(4, 8), T(4, 4, 168), T(8, 4), T(2, 4)])   # (k_split, n_tiles, register cap)
+TC_CONFIGS = [experts_tc.FEW_PAIRS_CONFIG, experts_tc.MANY_PAIRS_CONFIG] + ([] if ON_SIMULATOR else [
+    T(4, 1, 1), T(4, 1, 3), T(4, 2, 1), T(4, 2, 2), T(8, 1, 2), T(4, 4, 1), T(4, 4, 2)])
+# (k_split, n_tiles, chunks_per_step, register cap)
 TENSOR_CORES = "--tensor-cores" in sys.argv[1:]
 if TENSOR_CORES:
     CONFIGS = list(dict.fromkeys(TC_CONFIGS))
@@ -103,7 +104,8 @@ EXPERT_BYTES = 3 * D * F * 2  # one expert's bf16 gate, up and down
 
 def config_name(index: int) -> str:
     if TENSOR_CORES:
-        return f"t{index}" + ("*" if CONFIGS[index] == experts_tc.DEFAULT_TC_CONFIG else "")
+        return f"t{index}" + ("*" if CONFIGS[index] in (experts_tc.FEW_PAIRS_CONFIG, experts_tc.MANY_PAIRS_CONFIG)
+                              else "")
     return f"c{index}" + ("*" if CONFIGS[index] == moe.DEFAULT_CONFIG else "")
 
 
@@ -166,14 +168,21 @@ def check(label: str, got: np.ndarray, want: np.ndarray, tokens, rtol: float = R
 
 
 def breakdown(x, ids, gate_view, down_view, whole: float, config) -> dict:
-    """Seconds of plan_pairs, grouped_swiglu (gate_up + down) alone, and the rest of a moe_experts call."""
+    """Seconds of plan_pairs, grouped_swiglu (gate_up + down; with a TcConfig the tensor-core kernels and their
+    bf16 rounding of x) alone, and the rest of a moe_experts call (combine and the launchers' host time, which
+    the model's CUDA graphs do not pay)."""
     s = x.shape[0]
     plan = moe.plan_pairs(ids, E)
     act = cuda.device_array((s * K, F), np.float32)
     pair_out = cuda.device_array((s * K, D), np.float32)
+    if isinstance(config, experts_tc.TcConfig):
+        def experts():
+            experts_tc.grouped_swiglu_tc(x, K, plan, gate_view, down_view, act, pair_out, config=config)
+    else:
+        def experts():
+            moe.grouped_swiglu(x, K, plan, gate_view, down_view, act, pair_out, config=config)
     parts = dict(plan=time_gpu(lambda: moe.plan_pairs(ids, E, plan), WARMUP, REPEATS),
-                 experts=time_gpu(lambda: moe.grouped_swiglu(x, K, plan, gate_view, down_view, act, pair_out,
-                                                             config=config), WARMUP, REPEATS))
+                 experts=time_gpu(experts, WARMUP, REPEATS))
     parts["rest"] = whole - parts["plan"] - parts["experts"]
     return parts
 
@@ -228,6 +237,11 @@ def main() -> int:
             achieved = distinct * EXPERT_BYTES / seconds
             table.append((s, name, seconds, achieved, ok))
             log(f"  {name}: {seconds * 1e3:.3f} ms {achieved / 1e9:.0f} GB/s {100 * achieved / copy_bw:.1f}%")
+            if tensor_cores:
+                parts = breakdown(x, ids, gate_view, down_view, seconds, config)
+                log(f"  breakdown {name}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in parts.items())
+                    + f"; kernels {distinct * EXPERT_BYTES / parts['experts'] / 1e9:.0f} GB/s "
+                    f"{100 * distinct * EXPERT_BYTES / parts['experts'] / copy_bw:.1f}%")
         default = moe.default_config(s * K, E)
         auto = next((r for r in table if r[0] == s and r[1] == "auto"), None)
         if auto is not None:
