@@ -110,7 +110,7 @@ experts-tc)
     step tc-sweep-384 120 python3 -W ignore -m tools.sweeps.moe --tensor-cores --tokens 1,256 --only t0,t1
     grep -a -E "^ +[0-9]+ +(auto|t[0-9])|^best|^[0-9]+ (passed|failed)|^(FAILED|ERROR)|CHECKS|copy bandwidth|breakdown" "$log" \
         | cut -c1-160
-    grep -a -A30 "^| run" "$log" | head -40
+    grep -a -E "^e2e " "$log" | cut -c1-230
     ;;
 invariance)
     step invariance-probe 200 python3 -W ignore tools/invariance_probe.py
