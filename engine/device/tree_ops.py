@@ -7,23 +7,51 @@ from numba import cuda
 from kdspec.engine.device.logits import DeviceLogits
 from kdspec.engine.golden import ddtree as ddtree_ref
 from kdspec.numba_kernels import sampling
+from kdspec.numba_kernels.host_arrays import download, upload
 from kdspec.numba_kernels.tree import accept as tree_accept
 from kdspec.numba_kernels.tree import build as tree_build
 from kdspec.traces.schema import TARGET_TOPK
 
 
+class _Draft:
+    """A draft's device copy, [L, K] log-probs and ids in one int32 buffer so that one copy uploads both."""
+
+    def __init__(self, depth: int, width: int):
+        self.host = np.empty((2, 1, depth, width), np.int32)
+        self.device = cuda.device_array((2, 1, depth, width), np.int32)
+        self.logprobs, self.ids = self.device[0].view(np.float32), self.device[1]
+
+
 class _Buffers:
-    """Device buffers of one budget's steps, allocated once: the built tree, the build's root / prefix length
-    inputs, the target's choice per node and the accept walk's outputs."""
+    """Device buffers of one budget's steps, allocated once, and their host copies: the built tree, the
+    build's inputs (root / prefix length, the draft), the target's choice per node and the accept walk's
+    outputs. Device views are made once too (numba's slicing costs tens of microseconds a call)."""
 
     def __init__(self, budget: int):
         nodes = budget + 1
         self.tree = tree_build.TreeBatch.allocate(1, budget)
         self.scalars = cuda.device_array((2, 1), np.int32)            # root token, prefix length
+        self.scalars_host = np.empty((2, 1), np.int32)
         self.root_tokens, self.prefix_lens = self.scalars[0], self.scalars[1]
+        self.drafts: dict[tuple[int, int], _Draft] = {}
+        self.packed_host = np.empty(tuple(self.tree.packed.shape), np.int32)
+        self.count_host = np.empty(1, np.int32)
+        self.visibility: dict[int, object] = {}                         # node count -> tree.visibility[0, :n]
         self.choice = cuda.device_array((1, nodes), np.int32)
+        self.choice_host = np.empty((1, nodes), np.int32)
         self.accepted = (cuda.device_array((1, nodes), np.int32), cuda.device_array(1, np.int32),
                          cuda.device_array(1, np.int32))
+        self.accepted_host = (np.empty((1, nodes), np.int32), np.empty(1, np.int32), np.empty(1, np.int32))
+
+    def draft_for(self, shape) -> _Draft:
+        if tuple(shape) not in self.drafts:
+            self.drafts[tuple(shape)] = _Draft(*shape)
+        return self.drafts[tuple(shape)]
+
+    def visibility_of(self, count: int):
+        if count not in self.visibility:
+            self.visibility[count] = self.tree.visibility[0, :count]
+        return self.visibility[count]
 
 
 class DeviceTreeOps:
@@ -69,17 +97,23 @@ class DeviceTreeOps:
         forward hands to attention as it is."""
         ddtree_ref.check_draft(draft_logprobs, draft_ids, budget)
         buffers = self._buffers_for(budget)
-        buffers.scalars.copy_to_device(np.array([[root_token], [prefix_len]], np.int32))
-        batch = tree_build.build_trees(np.ascontiguousarray(draft_logprobs[None], dtype=np.float32),
-                                       np.ascontiguousarray(draft_ids[None], dtype=np.int32),
-                                       buffers.root_tokens, buffers.prefix_lens, budget, out=buffers.tree)
-        packed = batch.packed.copy_to_host()  # two device reads in all: the node arrays and the count
-        count = int(batch.num_nodes.copy_to_host()[0])
-        built = {name: packed[row, 0, :count] for row, name in enumerate(tree_build.OUTPUT_ROWS)}
+        buffers.scalars_host[:, 0] = (root_token, prefix_len)
+        upload(buffers.scalars, buffers.scalars_host)
+        draft = buffers.draft_for(draft_ids.shape)
+        draft.host[0, 0] = draft_logprobs.view(np.int32)
+        draft.host[1, 0] = draft_ids
+        upload(draft.device, draft.host)
+        batch = tree_build.build_trees(draft.logprobs, draft.ids, buffers.root_tokens, buffers.prefix_lens, budget,
+                                       out=buffers.tree)
+        download(buffers.count_host, batch.num_nodes)  # two device reads in all: the count and the node arrays
+        download(buffers.packed_host, batch.packed)
+        count = int(buffers.count_host[0])
+        packed = buffers.packed_host[:, 0, :count].copy()  # the host buffer is rewritten by the next build
+        built = {name: packed[row] for row, name in enumerate(tree_build.OUTPUT_ROWS)}
         tree = ddtree_ref.Tree(tokens=built["tokens"].astype(np.int64), parents=built["parents"],
                                depths=built["depths"], ranks=built["ranks"],
                                scores=built["scores"].view(np.float32), positions=built["positions"].astype(np.int64),
-                               visibility=batch.visibility[0, :count])
+                               visibility=buffers.visibility_of(count))
         self._built = (tree.tokens, tree.parents, buffers)
         return tree
 
@@ -90,12 +124,17 @@ class DeviceTreeOps:
             # the tree built last: its nodes and count are on the device; only the choice goes up
             buffers = built[2]
             width = buffers.choice.shape[1]
-            choice = np.full((1, width), -1, np.int32)
+            choice = buffers.choice_host
             choice[0, :count] = target_choice
-            buffers.choice.copy_to_device(choice)
+            choice[0, count:] = -1
+            upload(buffers.choice, choice)
             tree = buffers.tree
             accepted, tau, bonus = tree_accept.accept_trees(tree.parents, tree.tokens, buffers.choice,
                                                             tree.num_nodes, width - 1, out=buffers.accepted)
+            for host, device in zip(buffers.accepted_host, (accepted, tau, bonus)):
+                download(host, device)
+            accepted, tau, bonus = buffers.accepted_host
+            return accepted[0, :int(tau[0])].astype(np.int32), int(bonus[0])
         else:
             accepted, tau, bonus = tree_accept.accept_trees(np.asarray(parents, np.int32)[None],
                                                             np.asarray(tokens, np.int32)[None],
