@@ -16,12 +16,13 @@
 #     bash tools/gpu_session.sh invariance  # which bf16 products give a row the same bits at every row count
 #     bash tools/gpu_session.sh experts-tc  # tensor-core experts: GPU tests, the TcConfig sweep at k2-mini's 32
 #                                          # experts, e2e, the k2-mini invariance test, K2's 384 experts
+#     bash tools/gpu_session.sh experts-tc-e2e  # the same without the sweeps
 #     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
 #                                          # budgets 8..256; or T and those budgets only)
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|profile-step|profile-kernels|invariance|experts-tc|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -112,6 +113,14 @@ experts-tc)
         | cut -c1-160
     grep -a -E "^e2e " "$log" | cut -c1-230
     ;;
+experts-tc-e2e)
+    step tc-tests 150 python3 -m pytest -q -m gpu tests/kernels/test_moe_tc.py tests/kernels/test_attention_invariant.py \
+        tests/engine/test_device_tree_ops.py
+    step bench-e2e 200 "${kdtree[@]}" bench e2e
+    step invariance-k2 90 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[True]"
+    grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)" "$log"
+    grep -a -E "^e2e " "$log" | cut -c1-230
+    ;;
 invariance)
     step invariance-probe 200 python3 -W ignore tools/invariance_probe.py
     tail -n 30 "$log"
@@ -125,7 +134,7 @@ print(runner.format_table(spec.run(temperatures=t, budgets=tuple(int(x) for x in
     tail -n 60 "$log"
     ;;
 *)
-    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, profile-step, profile-kernels, invariance, experts-tc, spec)" >&2
+    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, profile-step, profile-kernels, invariance, experts-tc, experts-tc-e2e, spec)" >&2
     exit 2
     ;;
 esac

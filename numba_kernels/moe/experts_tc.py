@@ -63,7 +63,7 @@ class TcConfig:
 # invariance. The simulator runs every thread in Python: two warps (the K split and its sum still run).
 K_SPLIT = 2 if ON_SIMULATOR else 4
 FEW_PAIRS_CONFIG = TcConfig(K_SPLIT, 1, 2)  # AR and small trees: weights streamed, two chunks a load step
-MANY_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 4, 1, 0 if ON_SIMULATOR else 168)
+MANY_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 4, 1)
 FEW_PAIRS = 6  # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
 
 
