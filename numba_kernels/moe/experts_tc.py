@@ -130,21 +130,37 @@ def tc_kernels(config: TcConfig):
     k_split, n_tiles, per_step = config.k_split, config.n_tiles, config.chunks_per_step
     acc_size = 2 * n_tiles * 4
     weight_words = 16 * per_step  # uint32 per lane per buffer: 2 m-tiles x rows g, g + 8 x 4 bf16 pairs a chunk
+    tile_words = 4 * n_tiles      # uint32 per lane: each token tile's 4 bf16 pairs of a chunk
     scratch_size = k_split * BF16_SCRATCH_PER_WARP if ON_SIMULATOR else 1
     partials_size = max(1, (k_split - 1) * acc_size * WARP)  # warps 1 .. k_split - 1's partial sums
     jit_options = dict(max_registers=config.max_registers) if config.max_registers and not ON_SIMULATOR else {}
 
-    def tile_step(n, args):
-        """Token tile n's share of one chunk (weights[at ..]): its B fragment, then both m-tiles' two k-steps."""
-        acc, weights, at, tokens, source_rows, word, valid, n_used, b, scratch = args
-        if n < n_used:  # warp-uniform: the mma needs the whole warp
-            load_words(tokens, 0, source_rows[n], word, valid and source_rows[n] >= 0, b, 0)
-            _mma_step(acc, 4 * n, weights, at, b[0], b[1], scratch)
-            _mma_step(acc, 4 * n, weights, at + 2, b[2], b[3], scratch)
-            _mma_step(acc, 4 * (n_tiles + n), weights, at + 8, b[0], b[1], scratch)
-            _mma_step(acc, 4 * (n_tiles + n), weights, at + 10, b[2], b[3], scratch)
+    def load_tile(n, args):
+        """Token tile n's B fragment of one chunk into tiles[4 n ..] (zeros past the pass's tiles)."""
+        tokens, source_rows, word, valid, n_used, tiles = args
+        load_words(tokens, 0, source_rows[n], word, valid and n < n_used and source_rows[n] >= 0, tiles, 4 * n)
 
-    chunk_mma = static_for(n_tiles, device_function(**INLINE_DEVICE)(tile_step))
+    def tile_mma(n, args):
+        """Token tile n's two k-steps of both m-tiles, the chunk's weights at weights[at ..]."""
+        acc, weights, at, n_used, tiles, scratch = args
+        if n < n_used:  # warp-uniform: the mma needs the whole warp
+            b = 4 * n
+            _mma_step(acc, 4 * n, weights, at, tiles[b], tiles[b + 1], scratch)
+            _mma_step(acc, 4 * n, weights, at + 2, tiles[b + 2], tiles[b + 3], scratch)
+            _mma_step(acc, 4 * (n_tiles + n), weights, at + 8, tiles[b], tiles[b + 1], scratch)
+            _mma_step(acc, 4 * (n_tiles + n), weights, at + 10, tiles[b + 2], tiles[b + 3], scratch)
+
+    # every tile's loads before any tile's mma: loads behind a branch would wait one latency per tile
+    load_tiles = static_for(n_tiles, device_function(**INLINE_DEVICE)(load_tile))
+    tiles_mma = static_for(n_tiles, device_function(**INLINE_DEVICE)(tile_mma))
+
+    @device_function(**INLINE_DEVICE)
+    def chunk_mma(args):
+        """One chunk (weights[at ..]) against every token tile of the pass."""
+        acc, weights, at, tokens, source_rows, word, valid, n_used, tiles, scratch = args
+        load_tiles((tokens, source_rows, word, valid, n_used, tiles))
+        tiles_mma((acc, weights, at, n_used, tiles, scratch))
+
     zero_all = static_for(acc_size, _zero)
 
     def load_chunk(i, args):
@@ -263,7 +279,7 @@ def tc_kernels(config: TcConfig):
         acc = cuda.local.array(acc_size, float32)
         weights_a = cuda.local.array(weight_words, uint32)
         weights_b = cuda.local.array(weight_words, uint32)
-        b = cuda.local.array(4, uint32)
+        b = cuda.local.array(tile_words, uint32)  # the pass's B fragments of one chunk
         source_rows = cuda.local.array(n_tiles, int32)
         first_row = cuda.blockIdx.x * 16
         gate_row = first_row + ((cuda.threadIdx.x % WARP) >> 2)  # f % 16 == 0: rows g and g + 8 exist
@@ -291,7 +307,7 @@ def tc_kernels(config: TcConfig):
         acc = cuda.local.array(acc_size, float32)
         weights_a = cuda.local.array(weight_words, uint32)
         weights_b = cuda.local.array(weight_words, uint32)
-        b = cuda.local.array(4, uint32)
+        b = cuda.local.array(tile_words, uint32)  # the pass's B fragments of one chunk
         source_rows = cuda.local.array(n_tiles, int32)
         first_row = cuda.blockIdx.x * BLOCK_ROWS
         g = (cuda.threadIdx.x % WARP) >> 2
