@@ -580,7 +580,7 @@ def _add_record(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("auto", "cuda", "sim", "reference"), default="auto",
                    help="auto: cuda with a GPU, else the simulator (toy presets) or reference")
     p.add_argument("--weight-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="device weights (bf16: half the memory, dense products on bf16 tensor cores, and a "
+                   help="device weights (bf16: half the memory, dense products and experts on bf16 tensor cores, and a "
                    "batch-invariant forward: DDTree commits exactly the engine's own AR tokens)")
     p.add_argument("--out", required=True, help="trace file to write (.h5)")
     p.add_argument("--force", action="store_true", help="overwrite an existing trace")

@@ -15,10 +15,11 @@ Batch invariance (on by default with bf16 weights): every row of a forward gets 
 forward of any other number of rows, so a tree-verify forward equals the 1-row AR forwards of each node's path
 bit for bit and DDTree's output is the engine's own AR output in bf16 too. The dense products run at one fixed
 row count (ops.TorchOps' fixed_rows), attention through attention/invariant.py (keys in compacted order);
-everything else is per row already (norms, RoPE, router, the grouped experts, whose launch shape does not
-depend on the token count). ``tensor_core_experts`` (off by default) runs the routed experts on the tensor
-cores instead (moe/experts_tc.py: bf16 activations, as the dense products have), for every token count alike:
-much faster for large verify trees, much slower for AR and small trees as it stands (BENCHMARKS.md).
+everything else is per row already (norms, RoPE, router). The routed experts of the batch-invariant bf16 model
+run on the tensor cores (``tensor_core_experts``, on by default there when d and f are multiples of 32:
+moe/experts_tc.py, bf16 activations as the dense products have; their launch shape follows the token count
+without changing a token's bits); otherwise the SIMT grouped experts, whose launch shape does not depend on the
+token count.
 """
 from __future__ import annotations
 

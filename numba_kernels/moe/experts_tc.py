@@ -8,19 +8,25 @@ operand (16 weight rows) and the tokens as B (8 tokens a tile), so one token cos
 one. x is rounded to bf16 once (nearest even) by ``_round_to_bf16``, into pair_out's storage, which down only
 writes after gate_up has read it; gate_up writes act as bf16 into the first half of act's storage.
 
-A block of K_SPLIT warps owns 32 weight rows (gate_up: 16 gate rows and the 16 matching up rows; down: 32 output
-rows). Warp q sums its own contiguous share of K's 32-column chunks, and the block adds the K_SPLIT partial sums
-in warp order (through shared memory), so even a one-token launch has K_SPLIT x as many warps streaming weights.
+A block of k_split warps owns 32 weight rows (gate_up: 16 gate rows and the 16 matching up rows; down: 32 output
+rows). Warp q sums its own contiguous share of K's 32-column chunks, and the block adds the k_split partial sums
+in warp order (through shared memory), so even a one-token launch has k_split x as many warps streaming weights.
 In a chunk, lane (g, tq) (lane = 4 g + tq) loads columns 8 tq .. 8 tq + 7 (one 16-byte load) of weight rows g and
 g + 8 of each m-tile and of token g of each 8-token tile; the chunk's two mma k-steps take them in a fixed
 permuted order (step j: logical k 2tq, 2tq + 1 are columns 8 tq + 4 j, + 1; k 2tq + 8, 2tq + 9 are 8 tq + 4 j + 2,
-+ 3; A and B alike), so no shared memory is needed for the operands. The next chunk's weights are loaded while
-this one's mma run. Up to N_TILES token tiles share each weight load (a pass); tiles past the expert's pairs are
-skipped, and an expert with more pairs takes several passes.
++ 3; A and B alike), so no shared memory is needed for the operands. The next step's weights (chunks_per_step
+chunks) are loaded while this one's mma run, and every token tile's B fragments of a chunk are loaded before any
+tile's mma. Up to n_tiles token tiles share each weight load (a pass); tiles past the expert's pairs are skipped,
+and an expert with more pairs takes several passes.
+
+Launch shapes (TcConfig) are built per config; tc_config_for picks FEW_PAIRS_CONFIG (one tile, weights streamed)
+or MANY_PAIRS_CONFIG (four tiles) by the mean number of pairs per active expert (figures: BENCHMARKS.md,
+"Tensor-core experts"; sweep: python3 -m tools.sweeps.moe --tensor-cores).
 
 Batch invariance: a pair's result depends only on its activation row, the weights and the fixed K order and
-split, not on which tile or lane it sits in nor on how many pairs the expert has: s = 1 and s = 256 give a token
-the same bits.
+split, not on which tile or lane it sits in nor on how many pairs the expert has (each output column of an mma
+is its own token's), nor on n_tiles or chunks_per_step, which only group the same operations: configs with one
+k_split give the same bits, so s = 1 and s = 256 give a token the same bits whichever shape each runs.
 Requirements: bf16 weights (uint16 / int16 bits), d and f multiples of 32, every array 16-byte aligned.
 """
 from __future__ import annotations
