@@ -274,63 +274,47 @@ def tc_kernels(config: TcConfig):
     store_down_all = static_for(acc_size, device_function(**INLINE_DEVICE)(store_down))
     tokens_per_pass = 8 * n_tiles
 
-    @kernel_cache.jit(**jit_options)
-    def gate_up_tc(x_bits, w_gate_up, n_chunks, f, k, expert_offsets, sorted_pairs, active_experts, n_active,
-                   act_bits):
-        """act_bits[row, i] for every sorted row of every active expert. x_bits: bf16 x [s, d] viewed as uint64
-        [1, s, d/4]; w_gate_up: bf16 [e, 2f, d] viewed as uint64 [e, 2f, d/4]; n_chunks = d / 32; act_bits
-        uint16 [P, >= f]. Grid (f / 16, row_blocks(max active)), k_split * 32 threads."""
-        scratch = cuda.shared.array(scratch_size, float32)
-        partials = cuda.shared.array(partials_size, float32)
-        acc = cuda.local.array(acc_size, float32)
-        weights_a = cuda.local.array(weight_words, uint32)
-        weights_b = cuda.local.array(weight_words, uint32)
-        b = cuda.local.array(tile_words, uint32)  # the pass's B fragments of one chunk
-        source_rows = cuda.local.array(n_tiles, int32)
-        first_row = cuda.blockIdx.x * 16
-        gate_row = first_row + ((cuda.threadIdx.x % WARP) >> 2)  # f % 16 == 0: rows g and g + 8 exist
-        for active in range(cuda.blockIdx.y, n_active[0], cuda.gridDim.y):  # block-uniform: the block syncs
-            expert = active_experts[active]
-            begin = expert_offsets[expert]
-            end = expert_offsets[expert + 1]
-            for base in range(begin, end, tokens_per_pass):
-                pass_rows((source_rows, base, end, sorted_pairs, k, True))
-                n_used = min(n_tiles, (end - base + 7) // 8)
-                products(acc, w_gate_up, expert, gate_row, f + gate_row, n_chunks, x_bits, source_rows, n_used,
-                         weights_a, weights_b, b, scratch)
-                add_partials(acc, partials)
-                if cuda.threadIdx.x < WARP:
-                    store_act_all((acc, act_bits, base, end, first_row, f))
-                cuda.syncthreads()  # partials are reused by the next pass
+    def make_kernel(gate_up: bool):
+        """gate_up (act = silu(gate) * up, 16 intermediate rows a block) or down (pair_out, 32 output rows a
+        block): the same passes, the kernel's kind a compile-time constant."""
+        rows_per_block = 16 if gate_up else BLOCK_ROWS
 
-    @kernel_cache.jit(**jit_options)
-    def down_tc(act_words, w_down, n_chunks, expert_offsets, sorted_pairs, active_experts, n_active, pair_out):
-        """pair_out[pair, j] for every sorted row of every active expert. act_words: bf16 act viewed as uint64
-        [1, P, >= f/4]; w_down: bf16 [e, d, f] viewed as uint64 [e, d, f/4]; n_chunks = f / 32; pair_out
-        float32 [P, d]. Grid (d / 32, row_blocks(max active)), k_split * 32 threads."""
-        scratch = cuda.shared.array(scratch_size, float32)
-        partials = cuda.shared.array(partials_size, float32)
-        acc = cuda.local.array(acc_size, float32)
-        weights_a = cuda.local.array(weight_words, uint32)
-        weights_b = cuda.local.array(weight_words, uint32)
-        b = cuda.local.array(tile_words, uint32)  # the pass's B fragments of one chunk
-        source_rows = cuda.local.array(n_tiles, int32)
-        first_row = cuda.blockIdx.x * BLOCK_ROWS
-        g = (cuda.threadIdx.x % WARP) >> 2
-        for active in range(cuda.blockIdx.y, n_active[0], cuda.gridDim.y):
-            expert = active_experts[active]
-            begin = expert_offsets[expert]
-            end = expert_offsets[expert + 1]
-            for base in range(begin, end, tokens_per_pass):
-                pass_rows((source_rows, base, end, sorted_pairs, 1, False))
-                n_used = min(n_tiles, (end - base + 7) // 8)
-                products(acc, w_down, expert, first_row + g, first_row + 16 + g, n_chunks, act_words, source_rows,
-                         n_used, weights_a, weights_b, b, scratch)
-                add_partials(acc, partials)
-                if cuda.threadIdx.x < WARP:
-                    store_down_all((acc, pair_out, sorted_pairs, base, end, first_row))
-                cuda.syncthreads()
+        @kernel_cache.jit(**jit_options)
+        def kernel(tokens, w, n_chunks, f, k, expert_offsets, sorted_pairs, active_experts, n_active, out):
+            """Every sorted row of every active expert. gate_up: tokens = bf16 x [s, d] viewed as uint64
+            [1, s, d/4]; w = bf16 w_gate_up [e, 2f, d] viewed as uint64 [e, 2f, d/4]; n_chunks = d / 32; out = act
+            bits uint16 [P, >= f]; grid (f / 16, row_blocks(max active)). down: tokens = bf16 act viewed as uint64
+            [1, P, >= f/4]; w = bf16 w_down [e, d, f] as uint64 [e, d, f/4]; n_chunks = f / 32; f, k unused; out =
+            pair_out float32 [P, d]; grid (d / 32, row_blocks(max active)). k_split * 32 threads."""
+            scratch = cuda.shared.array(scratch_size, float32)
+            partials = cuda.shared.array(partials_size, float32)
+            acc = cuda.local.array(acc_size, float32)
+            weights_a = cuda.local.array(weight_words, uint32)
+            weights_b = cuda.local.array(weight_words, uint32)
+            b = cuda.local.array(tile_words, uint32)  # the pass's B fragments of one chunk
+            source_rows = cuda.local.array(n_tiles, int32)
+            first_row = cuda.blockIdx.x * rows_per_block
+            row_a = first_row + ((cuda.threadIdx.x % WARP) >> 2)  # rows are whole 16s: g and g + 8 exist
+            row_b = f + row_a if gate_up else row_a + 16         # gate_up: the matching up rows
+            for active in range(cuda.blockIdx.y, n_active[0], cuda.gridDim.y):  # block-uniform: the block syncs
+                expert = active_experts[active]
+                begin = expert_offsets[expert]
+                end = expert_offsets[expert + 1]
+                for base in range(begin, end, tokens_per_pass):
+                    pass_rows((source_rows, base, end, sorted_pairs, k, gate_up))
+                    n_used = min(n_tiles, (end - base + 7) // 8)
+                    products(acc, w, expert, row_a, row_b, n_chunks, tokens, source_rows, n_used, weights_a,
+                             weights_b, b, scratch)
+                    add_partials(acc, partials)
+                    if cuda.threadIdx.x < WARP:
+                        if gate_up:
+                            store_act_all((acc, out, base, end, first_row, f))
+                        else:
+                            store_down_all((acc, out, sorted_pairs, base, end, first_row))
+                    cuda.syncthreads()  # partials are reused by the next pass
+        return kernel
 
+    gate_up_tc, down_tc = make_kernel(True), make_kernel(False)
     return gate_up_tc, down_tc
 
 
@@ -365,5 +349,5 @@ def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, 
         x_bits.view(np.uint64).reshape(1, s, d // 4), gate_view.view(np.uint64), d // CHUNK, f, k,
         plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, act_bits)
     down_tc[(d // BLOCK_ROWS, row_blocks(max_active)), threads, stream](
-        act.view(np.uint64).reshape(1, n_pairs, f // 2), down_view.view(np.uint64), f // CHUNK,
+        act.view(np.uint64).reshape(1, n_pairs, f // 2), down_view.view(np.uint64), f // CHUNK, 0, 1,
         plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, pair_out)
