@@ -216,12 +216,13 @@ else:
 # Tiles go from global to shared memory with cp.async (no register staging; STAGES chunks in flight).
 if ON_SIMULATOR:
     @device_function()
-    def _copy16(dst, dst_index, src, src_index, src_bytes):
-        for e in range(4):
-            at_put(dst, dst_index + e, at(src, src_index + e) if 4 * e < src_bytes else float32(0.0))
+    def copy16(dst, dst_index, src, src_index, src_bytes):
+        size = dst.dtype.itemsize  # indices count elements of the arrays' own type, as on the GPU
+        for e in range(16 // size):
+            at_put(dst, dst_index + e, at(src, src_index + e) if size * e < src_bytes else dst.dtype.type(0))
 
     @device_function()
-    def _copy4(dst, dst_index, src, src_index, src_bytes):
+    def copy4(dst, dst_index, src, src_index, src_bytes):
         at_put(dst, dst_index, at(src, src_index) if src_bytes > 0 else float32(0.0))
 
     @device_function()
@@ -258,7 +259,7 @@ else:
             return types.void(dst, dst_index, src, src_index, src_bytes), codegen
         return copy
 
-    _copy16, _copy4 = _cp_async(16, "cg"), _cp_async(4, "ca")
+    copy16, copy4 = _cp_async(16, "cg"), _cp_async(4, "ca")
 
     @intrinsic
     def _commit(typingctx):
@@ -406,10 +407,10 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
     def copy_chunk(dst, dst_index, src, src_index, floats):
         """floats (0..4) of src[src_index..] to dst[dst_index..dst_index + 4], zeros after them."""
         if aligned:
-            _copy16(dst, dst_index, src, src_index, 4 * floats)
+            copy16(dst, dst_index, src, src_index, 4 * floats)
         else:
             for e in range(4):
-                _copy4(dst, dst_index + e, src, src_index + e if e < floats else 0, 4 if e < floats else 0)
+                copy4(dst, dst_index + e, src, src_index + e if e < floats else 0, 4 if e < floats else 0)
 
     def k_contiguous_copier(TILE_ROWS):
         """Device function: the [TILE_ROWS, BK] tile (rows r0.., k0..) of a K-contiguous operand X to shared,
@@ -432,17 +433,17 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
                     at_tile = tile_at + r * (BK + 4) + col
                     if aligned:
                         if kk < k_split:
-                            _copy16(tile, at_tile, a, (r0 + r) * lda + kk if valid > 0 else 0, 4 * valid)
+                            copy16(tile, at_tile, a, (r0 + r) * lda + kk if valid > 0 else 0, 4 * valid)
                         else:
-                            _copy16(tile, at_tile, a2, (r0 + r) * lda2 + kk - k_split if valid > 0 else 0,
+                            copy16(tile, at_tile, a2, (r0 + r) * lda2 + kk - k_split if valid > 0 else 0,
                                     4 * valid)
                     else:
                         for e in range(4):
                             if kk + e < k_split:
-                                _copy4(tile, at_tile + e, a, (r0 + r) * lda + kk + e if e < valid else 0,
+                                copy4(tile, at_tile + e, a, (r0 + r) * lda + kk + e if e < valid else 0,
                                        4 if e < valid else 0)
                             else:
-                                _copy4(tile, at_tile + e, a2, (r0 + r) * lda2 + kk + e - k_split if e < valid else 0,
+                                copy4(tile, at_tile + e, a2, (r0 + r) * lda2 + kk + e - k_split if e < valid else 0,
                                        4 if e < valid else 0)
         return copy
 

@@ -36,21 +36,23 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, uint16, uint32, uint64
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.moe.experts import ExpertPlan, _address, load_u64x2, silu
-from kdspec.numba_kernels.mma import BF16_SCRATCH_PER_WARP, WARP, float_bits, mma_bf16
+from kdspec.numba_kernels.mma import BF16_SCRATCH_PER_WARP, WARP, copy16, copy_commit, copy_wait, float_bits, mma_bf16
 from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function, row_blocks, static_for
 
 CHUNK = 32                                # K columns per step: 4 lanes x 8 columns
 BLOCK_ROWS = 32                           # weight rows per block: two m-tiles of 16
 CONVERT_THREADS = 32 if ON_SIMULATOR else 256
+STAGE_ALIGNMENT = None if ON_SIMULATOR else 16  # 16-byte fragment loads from shared (the simulator takes none)
 
 
 @dataclass(frozen=True)
 class TcConfig:
-    """Launch shape of the tensor-core gate_up and down kernels (each config compiles its own kernels)."""
+    """Launch shape of the streaming kernels (tc_kernels): each warp of a block sums its own share of K with the
+    weights loaded straight into registers (few pairs an expert: the weights are the traffic)."""
 
     k_split: int             # warps per block, each summing its own share of K (fixes the bits: see below)
     n_tiles: int             # 8-token tiles per pass (register-blocked): tokens per pass = 8 n_tiles
@@ -63,17 +65,75 @@ class TcConfig:
             raise ValueError(f"TcConfig: k_split {self.k_split} (1..8), n_tiles {self.n_tiles} (1..8), "
                              f"chunks_per_step {self.chunks_per_step} (1..4), max_registers {self.max_registers}")
 
+    @property
+    def threads(self) -> int:
+        return self.k_split * WARP
 
-# Launch shapes by the mean number of pairs an active expert gets (tc_config_for). They share one k_split, so a
-# token gets the same bits whichever runs it: the choice may follow the token count without breaking batch
-# invariance. The simulator runs every thread in Python: two warps (the K split and its sum still run).
+    def rows_per_block(self, gate_up: bool) -> int:
+        """Intermediate rows (gate_up: their gate and up rows) or output rows (down) a block computes."""
+        return 16 if gate_up else BLOCK_ROWS
+
+    def kernels(self):
+        return tc_kernels(self)
+
+
+SHARED_BYTES = 48 * 1024  # numba-cuda's static shared memory limit per block
+
+
+@dataclass(frozen=True)
+class TiledConfig:
+    """Launch shape of the staged kernels (tiled_kernels): warps_m x warps_n warps, each owning two m-tiles (32
+    weight rows) x ``tiles`` 8-token tiles; the block's weight rows and tokens reach shared memory by cp.async,
+    one 32-column chunk at a time and ``stages`` chunks deep, so the warps of a row share each token load and the
+    warps of a token column each weight load (many pairs an expert: the products are the work)."""
+
+    warps_m: int
+    warps_n: int
+    tiles: int               # 8-token tiles per warp: tokens per pass = 8 tiles warps_n
+    stages: int = 3
+    max_registers: int = 0
+
+    def __post_init__(self):
+        if not (1 <= self.warps_m <= 4 and 1 <= self.warps_n <= 8 and self.warps_m * self.warps_n <= 16
+                and 1 <= self.tiles <= 8 and 2 <= self.stages <= 8 and self.max_registers >= 0):
+            raise ValueError(f"TiledConfig: warps_m {self.warps_m} (1..4), warps_n {self.warps_n} (1..8, at most 16 "
+                             f"warps), tiles {self.tiles} (1..8), stages {self.stages} (2..8), max_registers "
+                             f"{self.max_registers}")
+        if self.shared_bytes > SHARED_BYTES:
+            raise ValueError(f"TiledConfig: {self.shared_bytes} bytes of shared memory (at most {SHARED_BYTES})")
+
+    @property
+    def threads(self) -> int:
+        return self.warps_m * self.warps_n * WARP
+
+    @property
+    def tokens_per_pass(self) -> int:
+        return 8 * self.tiles * self.warps_n
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.stages * (BLOCK_ROWS * self.warps_m + self.tokens_per_pass) * CHUNK * 2
+
+    def rows_per_block(self, gate_up: bool) -> int:
+        return (16 if gate_up else BLOCK_ROWS) * self.warps_m
+
+    def kernels(self):
+        return tiled_kernels(self)
+
+
+CONFIG_TYPES = (TcConfig, TiledConfig)
+
+# Launch shapes by the mean number of pairs an active expert gets (tc_config_for). Both kinds sum K in the same
+# K_SPLIT shares (fixing the bits: see the module docstring), so a token gets the same bits whichever runs it: the
+# choice may follow the token count without breaking batch invariance. The simulator runs every thread in
+# Python: few warps (the K split and its sum still run).
 K_SPLIT = 2 if ON_SIMULATOR else 4
 FEW_PAIRS_CONFIG = TcConfig(K_SPLIT, 1, 2)  # AR and small trees: weights streamed, two chunks a load step
-MANY_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 4, 1)
+MANY_PAIRS_CONFIG = TiledConfig(1, 2, 1, 2) if ON_SIMULATOR else TiledConfig(2, 4, 2, 4)
 FEW_PAIRS = 6  # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
 
 
-def tc_config_for(n_pairs: int, n_experts: int) -> TcConfig:
+def tc_config_for(n_pairs: int, n_experts: int) -> TcConfig | TiledConfig:
     """The launch shape for n_pairs (token, expert) pairs over n_experts experts."""
     mean_pairs = n_pairs / max(1, min(n_experts, n_pairs))
     return FEW_PAIRS_CONFIG if mean_pairs <= FEW_PAIRS else MANY_PAIRS_CONFIG
@@ -126,8 +186,52 @@ def _mma_step(acc, o, weights, w, b0, b1, scratch):
 
 
 @device_function(**INLINE_DEVICE)
+def tile_products(acc, n, n_tiles, weights, at, b, scratch):
+    """Token tile n's two k-steps of both m-tiles: A = the chunk's weights at weights[at ..] (load_weight_chunk's
+    layout), B = the tile's 4 bf16 pairs at b[4 n ..], into acc[4 n ..] (first m-tile) and acc[4 (n_tiles + n) ..]."""
+    _mma_step(acc, 4 * n, weights, at, b[4 * n], b[4 * n + 1], scratch)
+    _mma_step(acc, 4 * n, weights, at + 2, b[4 * n + 2], b[4 * n + 3], scratch)
+    _mma_step(acc, 4 * (n_tiles + n), weights, at + 8, b[4 * n], b[4 * n + 1], scratch)
+    _mma_step(acc, 4 * (n_tiles + n), weights, at + 10, b[4 * n + 2], b[4 * n + 3], scratch)
+
+
+@device_function(**INLINE_DEVICE)
 def _zero(o, acc):
     acc[o] = float32(0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def store_functions(n_tiles: int):
+    """(store_act_all, store_down_all) for a warp's 2 m-tiles x n_tiles token tiles of C fragments in acc:
+    store_act_all((acc, act_bits, base, end, first_row, f)): act = bf16(silu(gate) * up) of pair rows base + ..
+    and columns first_row + .. (the gate m-tile's rows); store_down_all((acc, pair_out, sorted_pairs, base, end,
+    first_row)): pair_out rows of the sorted pairs base + .., columns first_row + .. (both m-tiles)."""
+    acc_size = 2 * n_tiles * 4
+
+    def store_act(o, args):
+        """act for C-fragment entry o of the gate m-tile (o < 4 n_tiles)."""
+        acc, act_bits, base, end, first_row, f = args
+        lane = cuda.threadIdx.x % WARP
+        g, tq = lane >> 2, lane & 3
+        n, c = o // 4, o % 4
+        row = base + 8 * n + 2 * tq + (c & 1)
+        column = first_row + g + 8 * (c >> 1)
+        if row < end and column < f:
+            act_bits[row, column] = uint16(bf16_rne(silu(acc[o]) * acc[o + 4 * n_tiles]))
+
+    def store_down(o, args):
+        """pair_out[pair, j] for C-fragment entry o."""
+        acc, pair_out, sorted_pairs, base, end, first_row = args
+        lane = cuda.threadIdx.x % WARP
+        g, tq = lane >> 2, lane & 3
+        m, n, c = o // (4 * n_tiles), (o // 4) % n_tiles, o % 4
+        row = base + 8 * n + 2 * tq + (c & 1)
+        column = first_row + 16 * m + g + 8 * (c >> 1)
+        if row < end and column < pair_out.shape[1]:
+            pair_out[sorted_pairs[row], column] = acc[o]
+
+    return (static_for(4 * n_tiles, device_function(**INLINE_DEVICE)(store_act)),
+            static_for(acc_size, device_function(**INLINE_DEVICE)(store_down)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,11 +254,7 @@ def tc_kernels(config: TcConfig):
         """Token tile n's two k-steps of both m-tiles, the chunk's weights at weights[at ..]."""
         acc, weights, at, n_used, tiles, scratch = args
         if n < n_used:  # warp-uniform: the mma needs the whole warp
-            b = 4 * n
-            _mma_step(acc, 4 * n, weights, at, tiles[b], tiles[b + 1], scratch)
-            _mma_step(acc, 4 * n, weights, at + 2, tiles[b + 2], tiles[b + 3], scratch)
-            _mma_step(acc, 4 * (n_tiles + n), weights, at + 8, tiles[b], tiles[b + 1], scratch)
-            _mma_step(acc, 4 * (n_tiles + n), weights, at + 10, tiles[b + 2], tiles[b + 3], scratch)
+            tile_products(acc, n, n_tiles, weights, at, tiles, scratch)
 
     # every tile's loads before any tile's mma: loads behind a branch would wait one latency per tile
     load_tiles = static_for(n_tiles, device_function(**INLINE_DEVICE)(load_tile))
@@ -248,30 +348,7 @@ def tc_kernels(config: TcConfig):
 
     pass_rows = static_for(n_tiles, device_function(**INLINE_DEVICE)(pass_row))
 
-    def store_act(o, args):
-        """Warp 0: act = bf16(silu(gate) * up) for C-fragment entry o of the gate m-tile (o < 4 n_tiles)."""
-        acc, act_bits, base, end, first_row, f = args
-        lane = cuda.threadIdx.x % WARP
-        g, tq = lane >> 2, lane & 3
-        n, c = o // 4, o % 4
-        row = base + 8 * n + 2 * tq + (c & 1)
-        column = first_row + g + 8 * (c >> 1)
-        if row < end and column < f:
-            act_bits[row, column] = uint16(bf16_rne(silu(acc[o]) * acc[o + 4 * n_tiles]))
-
-    def store_down(o, args):
-        """Warp 0: pair_out[pair, j] for C-fragment entry o."""
-        acc, pair_out, sorted_pairs, base, end, first_row = args
-        lane = cuda.threadIdx.x % WARP
-        g, tq = lane >> 2, lane & 3
-        m, n, c = o // (4 * n_tiles), (o // 4) % n_tiles, o % 4
-        row = base + 8 * n + 2 * tq + (c & 1)
-        column = first_row + 16 * m + g + 8 * (c >> 1)
-        if row < end and column < pair_out.shape[1]:
-            pair_out[sorted_pairs[row], column] = acc[o]
-
-    store_act_all = static_for(4 * n_tiles, device_function(**INLINE_DEVICE)(store_act))
-    store_down_all = static_for(acc_size, device_function(**INLINE_DEVICE)(store_down))
+    store_act_all, store_down_all = store_functions(n_tiles)
     tokens_per_pass = 8 * n_tiles
 
     def make_kernel(gate_up: bool):
@@ -318,6 +395,166 @@ def tc_kernels(config: TcConfig):
     return gate_up_tc, down_tc
 
 
+@functools.lru_cache(maxsize=None)
+def tiled_kernels(config: TiledConfig):
+    """(gate_up, down) staged kernels for one TiledConfig: the same products, in the same order, as tc_kernels.
+
+    A block stages, per 32-column chunk, its weight rows (rows 0 .. 32 warps_m - 1 of a shared slot; gate_up: its
+    16 warps_m gate rows, then the matching up rows) and the pass's tokens (rows 32 warps_m ..: token t of the
+    pass, zeros past the expert's pairs and past K). Warp (wm, wn) takes m-tiles from rows 16 wm (gate_up: and
+    16 warps_m + 16 wm) or 32 wm (down) and token tiles wn * tiles .. of the pass, and feeds the mma the very
+    registers a streaming warp would (load_words over the staged rows, tile_products). One warp walks all of K: it
+    sums each of the K_SPLIT shares in fresh accumulators and adds share q's sum into the total after share
+    q - 1's, the order in which tc_kernels adds its warps' partial sums; shares padded past K run their zero
+    chunks as the streaming warps do. So both kinds give a pair the same bits."""
+    warps_m, tiles, stages = config.warps_m, config.tiles, config.stages
+    threads = config.threads
+    staged_rows = BLOCK_ROWS * warps_m          # weight rows of a slot
+    tokens_per_pass = config.tokens_per_pass
+    slot_rows = staged_rows + tokens_per_pass
+    acc_size = 2 * tiles * 4
+    tile_words = 4 * tiles                      # uint32 per lane: each token tile's 4 bf16 pairs of a chunk
+    weight_copies = -(-4 * staged_rows // threads)  # 16-byte copies per thread per chunk: 4 a row
+    token_copies = -(-4 * tokens_per_pass // threads)
+    scratch_size = threads // WARP * BF16_SCRATCH_PER_WARP if ON_SIMULATOR else 1
+    jit_options = dict(max_registers=config.max_registers) if config.max_registers and not ON_SIMULATOR else {}
+    wait_for_chunk = copy_wait(stages - 2)
+    store_act_all, store_down_all = store_functions(tiles)
+    zero_all = static_for(acc_size, _zero)
+
+    def copy_weights(i, args):
+        """This thread's weight copy i of chunk `chunk` into slot `slot` (zeros past K: a padded share)."""
+        stage, slot, w, sources, chunk, n_chunks = args
+        piece = cuda.threadIdx.x + i * threads
+        if piece < 4 * staged_rows:
+            valid = sources[i] >= 0 and chunk < n_chunks
+            copy16(stage, (slot * slot_rows + (piece >> 2)) * 8 + 2 * (piece & 3), w,
+                   sources[i] + 8 * chunk if valid else 0, 16 if valid else 0)
+
+    def copy_tokens(i, args):
+        """This thread's token copy i of chunk `chunk` into slot `slot` (zeros past the pass's pairs and K)."""
+        stage, slot, tokens, sources, chunk, n_chunks = args
+        piece = cuda.threadIdx.x + i * threads
+        if piece < 4 * tokens_per_pass:
+            valid = sources[i] >= 0 and chunk < n_chunks
+            copy16(stage, (slot * slot_rows + staged_rows + (piece >> 2)) * 8 + 2 * (piece & 3), tokens,
+                   sources[i] + 8 * chunk if valid else 0, 16 if valid else 0)
+
+    copy_all_weights = static_for(weight_copies, device_function(**INLINE_DEVICE)(copy_weights))
+    copy_all_tokens = static_for(token_copies, device_function(**INLINE_DEVICE)(copy_tokens))
+
+    @device_function(**INLINE_DEVICE)
+    def copy_chunk(stage, chunk, w, weight_sources, tokens, token_sources, n_chunks):
+        slot = chunk % stages
+        copy_all_weights((stage, slot, w, weight_sources, chunk, n_chunks))
+        copy_all_tokens((stage, slot, tokens, token_sources, chunk, n_chunks))
+
+    def load_tile(n, args):
+        """Token tile n's B fragment of the slot (row g of the tile) into b[4 n ..]."""
+        stage, slot, first_token, b = args
+        g, tq = (cuda.threadIdx.x % WARP) >> 2, cuda.threadIdx.x & 3
+        load_words(stage, slot, staged_rows + first_token + 8 * n + g, tq, True, b, 4 * n)
+
+    def tile_mma(n, args):
+        acc, weights, b, n_used, scratch = args
+        if ON_SIMULATOR or n < n_used:  # warp-uniform; the simulator's mma syncs the block: every warp runs it
+            tile_products(acc, n, tiles, weights, 0, b, scratch)
+
+    load_tiles = static_for(tiles, device_function(**INLINE_DEVICE)(load_tile))
+    tiles_mma = static_for(tiles, device_function(**INLINE_DEVICE)(tile_mma))
+
+    def fold(o, args):
+        """total = the first share's sum, then total + each later share's, in share order; acc zeroed."""
+        acc, total, first = args
+        total[o] = acc[o] if first else total[o] + acc[o]
+        acc[o] = float32(0.0)
+
+    fold_all = static_for(acc_size, device_function(**INLINE_DEVICE)(fold))
+
+    def make_kernel(gate_up: bool):
+        rows_per_block = config.rows_per_block(gate_up)
+
+        @kernel_cache.jit(**jit_options)
+        def kernel(tokens, w, n_chunks, f, k, expert_offsets, sorted_pairs, active_experts, n_active, out):
+            """Arguments and output as tc_kernels' kernels; grid (ceil(f / (16 warps_m)) (gate_up) or
+            ceil(d / (32 warps_m)) (down), row_blocks(max active)); warps_m * warps_n * 32 threads."""
+            stage = cuda.shared.array((stages, slot_rows, 8), uint64, alignment=STAGE_ALIGNMENT)
+            scratch = cuda.shared.array(scratch_size, float32)
+            acc = cuda.local.array(acc_size, float32)
+            total = cuda.local.array(acc_size, float32)
+            weights = cuda.local.array(16, uint32)  # load_weight_chunk's layout
+            b = cuda.local.array(tile_words, uint32)
+            weight_sources = cuda.local.array(weight_copies, int64)  # flat uint64 index of a copy's row, or -1
+            token_sources = cuda.local.array(token_copies, int64)
+            warp = cuda.threadIdx.x // WARP
+            wm, wn = warp % warps_m, warp // warps_m
+            g, tq = (cuda.threadIdx.x % WARP) >> 2, cuda.threadIdx.x & 3
+            first_row = cuda.blockIdx.x * rows_per_block
+            w_rows, row_words, token_words = w.shape[1], w.shape[2], tokens.shape[2]
+            # this warp's staged m-tile rows (lane rows g; g + 8 below) and its first output row
+            if gate_up:
+                row_a, row_b, warp_row = 16 * wm + g, staged_rows // 2 + 16 * wm + g, first_row + 16 * wm
+            else:
+                row_a, row_b, warp_row = 32 * wm + g, 32 * wm + 16 + g, first_row + 32 * wm
+            first_token = 8 * tiles * wn
+            share = (n_chunks + K_SPLIT - 1) // K_SPLIT
+            chunks = share * K_SPLIT
+            for active in range(cuda.blockIdx.y, n_active[0], cuda.gridDim.y):  # block-uniform: the block syncs
+                expert = active_experts[active]
+                begin = expert_offsets[expert]
+                end = expert_offsets[expert + 1]
+                for i in range(weight_copies):
+                    row = (cuda.threadIdx.x + i * threads) >> 2  # staged row
+                    if gate_up:
+                        column = first_row + row % (staged_rows // 2)  # its intermediate row
+                        source = column + (f if row >= staged_rows // 2 else 0)
+                        valid = column < f
+                    else:
+                        source = first_row + row
+                        valid = source < w_rows
+                    weight_sources[i] = ((expert * w_rows + source) * row_words
+                                         + 2 * ((cuda.threadIdx.x + i * threads) & 3)) if valid else -1
+                for base in range(begin, end, tokens_per_pass):
+                    for i in range(token_copies):
+                        piece = cuda.threadIdx.x + i * threads
+                        pair = base + (piece >> 2)
+                        source = -1
+                        if pair < end:
+                            source = ((sorted_pairs[pair] // k if gate_up else pair) * token_words
+                                      + 2 * (piece & 3))
+                        token_sources[i] = source
+                    n_used = min(tiles, max(0, (end - base - first_token + 7) // 8))
+                    for chunk in range(stages - 1):  # prologue: stages - 1 chunks in flight
+                        if chunk < chunks:
+                            copy_chunk(stage, chunk, w, weight_sources, tokens, token_sources, n_chunks)
+                        copy_commit()  # (an empty group keeps the count uniform)
+                    zero_all(acc)
+                    for chunk in range(chunks):
+                        wait_for_chunk()
+                        cuda.syncthreads()  # every thread's copies landed; the slot refilled next is read
+                        if chunk + stages - 1 < chunks:
+                            copy_chunk(stage, chunk + stages - 1, w, weight_sources, tokens, token_sources,
+                                       n_chunks)
+                        copy_commit()
+                        slot = chunk % stages
+                        load_words(stage, slot, row_a, tq, True, weights, 0)
+                        load_words(stage, slot, row_a + 8, tq, True, weights, 4)
+                        load_words(stage, slot, row_b, tq, True, weights, 8)
+                        load_words(stage, slot, row_b + 8, tq, True, weights, 12)
+                        load_tiles((stage, slot, first_token, b))
+                        tiles_mma((acc, weights, b, n_used, scratch))
+                        if (chunk + 1) % share == 0:
+                            fold_all((acc, total, chunk + 1 == share))
+                    if gate_up:
+                        store_act_all((total, out, base + first_token, end, warp_row, f))
+                    else:
+                        store_down_all((total, out, sorted_pairs, base + first_token, end, warp_row))
+                    cuda.syncthreads()  # the next pass's prologue refills the slots
+        return kernel
+
+    return make_kernel(True), make_kernel(False)
+
+
 def supports(d: int, f: int) -> bool:
     """Whether the tensor-core kernels take these dimensions (whole 32-column chunks of both products)."""
     return d % CHUNK == 0 and f % CHUNK == 0
@@ -342,12 +579,12 @@ def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, 
     x_bits = pair_out.reshape(n_pairs * d).view(np.uint32)[:s * d // 2].reshape(s, d // 2)
     _round_to_bf16[(math.ceil(d // 2 / CONVERT_THREADS), row_blocks(s)), CONVERT_THREADS, stream](x, x_bits)
     config = config or tc_config_for(plan.sorted_pairs.shape[0], plan.expert_counts.shape[0])
-    gate_up_tc, down_tc = tc_kernels(config)
-    threads = config.k_split * WARP
+    gate_up_tc, down_tc = config.kernels()
+    threads = config.threads
     act_bits = act.view(np.uint16)  # [P, 2f]: bf16 act in the first f columns
-    gate_up_tc[(f // 16, row_blocks(max_active)), threads, stream](
+    gate_up_tc[(-(-f // config.rows_per_block(True)), row_blocks(max_active)), threads, stream](
         x_bits.view(np.uint64).reshape(1, s, d // 4), gate_view.view(np.uint64), d // CHUNK, f, k,
         plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, act_bits)
-    down_tc[(d // BLOCK_ROWS, row_blocks(max_active)), threads, stream](
+    down_tc[(-(-d // config.rows_per_block(False)), row_blocks(max_active)), threads, stream](
         act.view(np.uint64).reshape(1, n_pairs, f // 2), down_view.view(np.uint64), f // CHUNK, 0, 1,
         plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, pair_out)

@@ -2,7 +2,8 @@
 
 Against a float64 reference that rounds the activations to bf16 as the kernels do (x before gate_up, act before
 down); outputs NaN-poisoned; and batch invariance: each token run alone gives the bits it gets among all s.
-Simulator: toy sizes (d = 64 and 160, f = 32, 5 experts, one expert holding every token so it takes several passes);
+Simulator: toy sizes (d = 64 and 160, f = 32, 5 experts, one expert holding every token so it takes several passes;
+every launch shape against the few-pairs one, bit for bit);
 GPU: Kimi K2's d = 7168, f = 2048 with 8 experts, s = 1, 8 and 256.
 """
 import numpy as np
@@ -11,7 +12,8 @@ from numba import cuda
 
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.numba_kernels.moe.experts import moe_experts
-from kdspec.numba_kernels.moe.experts_tc import FEW_PAIRS_CONFIG, MANY_PAIRS_CONFIG, supports, tc_config_for
+from kdspec.numba_kernels.moe.experts_tc import (FEW_PAIRS_CONFIG, K_SPLIT, MANY_PAIRS_CONFIG, TcConfig, TiledConfig,
+                                                 supports, tc_config_for)
 
 from kernel_checks import assert_close, poisoned
 
@@ -65,7 +67,7 @@ def assert_tokens_alone_equal(x, ids, weights, gate_up, down, together, tokens):
 @pytest.mark.parametrize("d", [64, 160])  # 2 and 5 chunks of K: each warp's share, odd and even, and a warp idle
 def test_tensor_core_experts_match_the_bf16_reference_and_are_batch_invariant(d):
     rng = np.random.default_rng(11)
-    s = 16 * MANY_PAIRS_CONFIG.n_tiles + 3  # expert 0 holds every token: three passes
+    s = 2 * MANY_PAIRS_CONFIG.tokens_per_pass + 3  # expert 0 holds every token: three passes
     x, ids, weights, gate_up, down = random_case(rng, s, d, 32, 5, 2, one_expert_for_all=True)
     # all tokens run MANY_PAIRS_CONFIG, each token alone FEW_PAIRS_CONFIG: the bits must not depend on it
     assert tc_config_for(s * 2, 5) == MANY_PAIRS_CONFIG and tc_config_for(2, 5) == FEW_PAIRS_CONFIG
@@ -73,6 +75,32 @@ def test_tensor_core_experts_match_the_bf16_reference_and_are_batch_invariant(d)
     tokens = [0, 1, s // 2, s - 1]
     assert_close(together[tokens], reference(x, ids, weights, gate_up, down, tokens), 1e-5)  # seen: 1e-7
     assert_tokens_alone_equal(x, ids, weights, gate_up, down, together, tokens)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("config", [TcConfig(K_SPLIT, 2, 1), TiledConfig(2, 1, 2, 3)], ids=str)
+def test_every_launch_shape_gives_the_few_pairs_bits(config):
+    """Streaming with two tiles a pass, and staged with two warp rows (d = 96: the last down block half past d)
+    and three stages: the same bits as FEW_PAIRS_CONFIG for every token. down's K (f = 160: 5 chunks, a padded
+    share) shows the order of the sums in pair_out's fp32; gate_up's would mostly hide in act's bf16 rounding."""
+    rng = np.random.default_rng(5)
+    s, d = 21, 96
+    x, ids, weights, gate_up, down = random_case(rng, s, d, 160, 5, 2, one_expert_for_all=True)
+    gate_up_d, down_d = cuda.to_device(gate_up), cuda.to_device(down)
+    few, other = (moe_experts(x, ids, weights, gate_up_d, down_d, out=poisoned((s, d)), tensor_cores=True,
+                              config=c).copy_to_host() for c in (FEW_PAIRS_CONFIG, config))
+    assert not np.isnan(other).any()
+    assert np.array_equal(few.view(np.uint32), other.view(np.uint32)), f"max |diff| {np.abs(few - other).max():.3g}"
+
+
+@pytest.mark.sim
+def test_launch_shapes_refuse_what_they_cannot_hold():
+    with pytest.raises(ValueError, match="shared memory"):
+        TiledConfig(4, 4, 8, 4)
+    with pytest.raises(ValueError, match="warps_m"):
+        TiledConfig(0, 4, 2)
+    with pytest.raises(ValueError, match="k_split"):
+        TcConfig(9, 1)
 
 
 @pytest.mark.sim

@@ -84,10 +84,11 @@ def _option(name: str, default):
     return args[args.index(name) + 1] if name in args[:-1] else default
 
 
-T = experts_tc.TcConfig
+T, TILED = experts_tc.TcConfig, experts_tc.TiledConfig
 TC_CONFIGS = [experts_tc.FEW_PAIRS_CONFIG, experts_tc.MANY_PAIRS_CONFIG] + ([] if ON_SIMULATOR else [
-    T(4, 1, 1), T(4, 1, 3), T(4, 2, 1), T(4, 2, 2), T(8, 1, 2), T(4, 4, 1), T(4, 4, 2)])
-# (k_split, n_tiles, chunks_per_step, register cap)
+    T(4, 1, 1), T(4, 2, 1), T(4, 4, 1), T(8, 1, 2),  # streaming: (k_split, n_tiles, chunks_per_step, register cap)
+    TILED(2, 4, 1, 4), TILED(2, 4, 4, 3), TILED(4, 2, 2, 3), TILED(4, 2, 4, 3), TILED(2, 2, 2, 4),
+    TILED(4, 4, 2, 3)])  # staged: (warps_m, warps_n, tiles, stages, register cap)
 TENSOR_CORES = "--tensor-cores" in sys.argv[1:]
 if TENSOR_CORES:
     CONFIGS = list(dict.fromkeys(TC_CONFIGS))
@@ -175,7 +176,7 @@ def breakdown(x, ids, gate_view, down_view, whole: float, config) -> dict:
     plan = moe.plan_pairs(ids, E)
     act = cuda.device_array((s * K, F), np.float32)
     pair_out = cuda.device_array((s * K, D), np.float32)
-    if isinstance(config, experts_tc.TcConfig):
+    if isinstance(config, experts_tc.CONFIG_TYPES):
         def experts():
             experts_tc.grouped_swiglu_tc(x, K, plan, gate_view, down_view, act, pair_out, config=config)
     else:
@@ -218,7 +219,7 @@ def main() -> int:
         runs = [("auto", None)] + [(config_name(i), config) for i, config in enumerate(CONFIGS)
                                    if not ONLY or config_name(i).rstrip("*") in ONLY]
         for name, config in runs:
-            tensor_cores = isinstance(config, experts_tc.TcConfig)
+            tensor_cores = isinstance(config, experts_tc.CONFIG_TYPES)
 
             def call(out, config=config, tensor_cores=tensor_cores):
                 return moe.moe_experts(x, ids, weights, w_gate_up, w_down, out=out, config=config,
@@ -256,7 +257,7 @@ def main() -> int:
         if ONLY and config_name(i).rstrip("*") not in ONLY:
             continue
         if TENSOR_CORES:
-            gate_up_kernel, down_kernel = experts_tc.tc_kernels(config)
+            gate_up_kernel, down_kernel = config.kernels()
         else:
             gate_up_kernel = moe.expert_kernels(moe.word_width(gate_view, x_probe, config), config)[0]
             down_kernel = moe.expert_kernels(moe.word_width(down_view, act, config), config)[1]
