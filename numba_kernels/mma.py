@@ -643,11 +643,11 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
     kernel.compile(signature)
     kernel._specialized = True   # as cuda.jit(signature) leaves it
     kernel.disable_compile()
-    _allow_dynamic_shared(kernel, config.shared_bytes(b_k_contiguous))
+    allow_dynamic_shared(kernel, config.shared_bytes(b_k_contiguous))
     return kernel
 
 
-def _allow_dynamic_shared(kernel, nbytes: int) -> None:
+def allow_dynamic_shared(kernel, nbytes: int) -> None:
     """Opt a compiled kernel in to nbytes of dynamic shared memory (a launch above 48 KB fails without it).
     numba-cuda has no public call for this attribute: its kernel's driver function is set directly."""
     if nbytes <= 48 * 1024:

@@ -135,6 +135,10 @@ if ON_SIMULATOR:
         return a[i, j, 2 * word], a[i, j, 2 * word + 1]
 
     load_u64x2_streaming = load_u64x2
+
+    def load_u64x2_flat(a, index):
+        """(a[index], a[index + 1]); a uint64 1-D."""
+        return a[index], a[index + 1]
 else:
     from llvmlite import ir
     from numba import types
@@ -171,6 +175,23 @@ else:
 
     load_u64x2 = _make_load_u64x2(streaming=False)
     load_u64x2_streaming = _make_load_u64x2(streaming=True)
+
+    @intrinsic
+    def load_u64x2_flat(typingctx, a, index):
+        """(a[index], a[index + 1]) in one 16-byte load; a uint64 1-D (shared or global), a[index] 16-byte
+        aligned."""
+        signature = types.UniTuple(types.uint64, 2)(a, index)
+
+        def codegen(context, builder, sig, args):
+            array = context.make_array(sig.args[0])(context, builder, value=args[0])
+            offset = context.cast(builder, args[1], sig.args[1], types.intp)
+            pointer = builder.gep(array.data, [offset], inbounds=True)
+            u64 = ir.IntType(64)
+            vector = builder.load(builder.bitcast(pointer, ir.VectorType(u64, 2).as_pointer()), align=16)
+            values = [builder.extract_element(vector, ir.Constant(ir.IntType(32), n)) for n in range(2)]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        return signature, codegen
 
 
 @device_function(**INLINE_DEVICE)

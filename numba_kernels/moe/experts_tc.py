@@ -39,8 +39,9 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from kdspec.numba_kernels import kernel_cache
-from kdspec.numba_kernels.moe.experts import ExpertPlan, _address, load_u64x2, silu
-from kdspec.numba_kernels.mma import BF16_SCRATCH_PER_WARP, WARP, copy16, copy_commit, copy_wait, float_bits, mma_bf16
+from kdspec.numba_kernels.moe.experts import ExpertPlan, _address, load_u64x2, load_u64x2_flat, silu
+from kdspec.numba_kernels.mma import (BF16_SCRATCH_PER_WARP, MAX_SHARED_BYTES, WARP, allow_dynamic_shared, copy16,
+                                      copy_commit, copy_wait, float_bits, mma_bf16)
 from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function, row_blocks, static_for
 
 CHUNK = 32                                # K columns per step: 4 lanes x 8 columns
@@ -77,15 +78,13 @@ class TcConfig:
         return tc_kernels(self)
 
 
-SHARED_BYTES = 48 * 1024  # numba-cuda's static shared memory limit per block
-
-
 @dataclass(frozen=True)
 class TiledConfig:
     """Launch shape of the staged kernels (tiled_kernels): warps_m x warps_n warps, each owning two m-tiles (32
-    weight rows) x ``tiles`` 8-token tiles; the block's weight rows and tokens reach shared memory by cp.async,
-    one 32-column chunk at a time and ``stages`` chunks deep, so the warps of a row share each token load and the
-    warps of a token column each weight load (many pairs an expert: the products are the work)."""
+    weight rows) x ``tiles`` 8-token tiles; the block's weight rows and tokens reach (dynamic) shared memory by
+    cp.async, one 32-column chunk at a time and ``stages`` chunks deep (stages - 1 in flight: the bytes in flight
+    are what streams the weights), so the warps of a row share each token load and the warps of a token column
+    each weight load (many pairs an expert: the products are the work)."""
 
     warps_m: int
     warps_n: int
@@ -95,12 +94,12 @@ class TiledConfig:
 
     def __post_init__(self):
         if not (1 <= self.warps_m <= 4 and 1 <= self.warps_n <= 8 and self.warps_m * self.warps_n <= 16
-                and 1 <= self.tiles <= 8 and 2 <= self.stages <= 8 and self.max_registers >= 0):
+                and 1 <= self.tiles <= 8 and 2 <= self.stages <= 32 and self.max_registers >= 0):
             raise ValueError(f"TiledConfig: warps_m {self.warps_m} (1..4), warps_n {self.warps_n} (1..8, at most 16 "
-                             f"warps), tiles {self.tiles} (1..8), stages {self.stages} (2..8), max_registers "
+                             f"warps), tiles {self.tiles} (1..8), stages {self.stages} (2..32), max_registers "
                              f"{self.max_registers}")
-        if self.shared_bytes > SHARED_BYTES:
-            raise ValueError(f"TiledConfig: {self.shared_bytes} bytes of shared memory (at most {SHARED_BYTES})")
+        if self.shared_bytes > MAX_SHARED_BYTES:
+            raise ValueError(f"TiledConfig: {self.shared_bytes} bytes of shared memory (at most {MAX_SHARED_BYTES})")
 
     @property
     def threads(self) -> int:
@@ -157,14 +156,27 @@ def _round_to_bf16(x, x_bits):
 
 
 @device_function(**INLINE_DEVICE)
-def load_words(a, i, row, word, valid, out, at):
-    """out[at .. at + 3] = the 8 bf16 of a[i, row, columns 8 word .. 8 word + 7] as 4 uint32 pairs (zeros when
-    not valid). a: bf16 viewed as uint64 [n, rows, cols / 4]."""
-    first, second = load_u64x2(a, i, row, word) if valid else (uint64(0), uint64(0))
+def _split_words(first, second, out, at):
+    """out[at .. at + 3] = the 16 bytes first, second as 4 uint32 (bf16 pairs), lower address first."""
     out[at] = uint32(first & uint64(0xFFFFFFFF))
     out[at + 1] = uint32(first >> uint64(32))
     out[at + 2] = uint32(second & uint64(0xFFFFFFFF))
     out[at + 3] = uint32(second >> uint64(32))
+
+
+@device_function(**INLINE_DEVICE)
+def load_words(a, i, row, word, valid, out, at):
+    """out[at .. at + 3] = the 8 bf16 of a[i, row, columns 8 word .. 8 word + 7] as 4 uint32 pairs (zeros when
+    not valid). a: bf16 viewed as uint64 [n, rows, cols / 4]."""
+    first, second = load_u64x2(a, i, row, word) if valid else (uint64(0), uint64(0))
+    _split_words(first, second, out, at)
+
+
+@device_function(**INLINE_DEVICE)
+def load_staged(stage, index, out, at):
+    """out[at .. at + 3] = 8 staged bf16: stage[index], stage[index + 1] (uint64 1-D, index even)."""
+    first, second = load_u64x2_flat(stage, index)
+    _split_words(first, second, out, at)
 
 
 @device_function(**INLINE_DEVICE)
@@ -453,7 +465,7 @@ def tiled_kernels(config: TiledConfig):
         """Token tile n's B fragment of the slot (row g of the tile) into b[4 n ..]."""
         stage, slot, first_token, b = args
         g, tq = (cuda.threadIdx.x % WARP) >> 2, cuda.threadIdx.x & 3
-        load_words(stage, slot, staged_rows + first_token + 8 * n + g, tq, True, b, 4 * n)
+        load_staged(stage, (slot * slot_rows + staged_rows + first_token + 8 * n + g) * 8 + 2 * tq, b, 4 * n)
 
     def tile_mma(n, args):
         acc, weights, b, n_used, scratch = args
@@ -478,7 +490,7 @@ def tiled_kernels(config: TiledConfig):
         def kernel(tokens, w, n_chunks, f, k, expert_offsets, sorted_pairs, active_experts, n_active, out):
             """Arguments and output as tc_kernels' kernels; grid (ceil(f / (16 warps_m)) (gate_up) or
             ceil(d / (32 warps_m)) (down), row_blocks(max active)); warps_m * warps_n * 32 threads."""
-            stage = cuda.shared.array((stages, slot_rows, 8), uint64, alignment=STAGE_ALIGNMENT)
+            stage = cuda.shared.array(0, uint64, alignment=STAGE_ALIGNMENT)  # [stages, slot_rows, 8], dynamic
             scratch = cuda.shared.array(scratch_size, float32)
             acc = cuda.local.array(acc_size, float32)
             total = cuda.local.array(acc_size, float32)
@@ -537,10 +549,11 @@ def tiled_kernels(config: TiledConfig):
                                        n_chunks)
                         copy_commit()
                         slot = chunk % stages
-                        load_words(stage, slot, row_a, tq, True, weights, 0)
-                        load_words(stage, slot, row_a + 8, tq, True, weights, 4)
-                        load_words(stage, slot, row_b, tq, True, weights, 8)
-                        load_words(stage, slot, row_b + 8, tq, True, weights, 12)
+                        at = slot * slot_rows * 8 + 2 * tq
+                        load_staged(stage, at + row_a * 8, weights, 0)
+                        load_staged(stage, at + (row_a + 8) * 8, weights, 4)
+                        load_staged(stage, at + row_b * 8, weights, 8)
+                        load_staged(stage, at + (row_b + 8) * 8, weights, 12)
                         load_tiles((stage, slot, first_token, b))
                         tiles_mma((acc, weights, b, n_used, scratch))
                         if (chunk + 1) % share == 0:
@@ -580,11 +593,26 @@ def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, 
     _round_to_bf16[(math.ceil(d // 2 / CONVERT_THREADS), row_blocks(s)), CONVERT_THREADS, stream](x, x_bits)
     config = config or tc_config_for(plan.sorted_pairs.shape[0], plan.expert_counts.shape[0])
     gate_up_tc, down_tc = config.kernels()
-    threads = config.threads
     act_bits = act.view(np.uint16)  # [P, 2f]: bf16 act in the first f columns
-    gate_up_tc[(-(-f // config.rows_per_block(True)), row_blocks(max_active)), threads, stream](
-        x_bits.view(np.uint64).reshape(1, s, d // 4), gate_view.view(np.uint64), d // CHUNK, f, k,
-        plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, act_bits)
-    down_tc[(-(-d // config.rows_per_block(False)), row_blocks(max_active)), threads, stream](
-        act.view(np.uint64).reshape(1, n_pairs, f // 2), down_view.view(np.uint64), f // CHUNK, 0, 1,
-        plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, pair_out)
+    _launch(config, gate_up_tc, -(-f // config.rows_per_block(True)), max_active, stream,
+            x_bits.view(np.uint64).reshape(1, s, d // 4), gate_view.view(np.uint64), d // CHUNK, f, k,
+            plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, act_bits)
+    _launch(config, down_tc, -(-d // config.rows_per_block(False)), max_active, stream,
+            act.view(np.uint64).reshape(1, n_pairs, f // 2), down_view.view(np.uint64), f // CHUNK, 0, 1,
+            plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, pair_out)
+
+
+_OPTED_IN = set()  # (kernel id, argument types) whose compiled kernel may take its config's shared memory
+
+
+def _launch(config, kernel, row_blocks_x: int, max_active: int, stream, *args) -> None:
+    """kernel over (row_blocks_x, row_blocks(max_active)) blocks of config.threads, with a staged config's dynamic
+    shared memory (above 48 KB the compiled kernel must opt in first: compiled here for these arguments)."""
+    shared = config.shared_bytes if isinstance(config, TiledConfig) else 0
+    if shared > 48 * 1024 and not ON_SIMULATOR:
+        signature = tuple(kernel.typeof_pyval(arg) for arg in args)
+        if (id(kernel), signature) not in _OPTED_IN:
+            kernel.compile(signature)
+            allow_dynamic_shared(kernel, shared)
+            _OPTED_IN.add((id(kernel), signature))
+    kernel[(row_blocks_x, row_blocks(max_active)), config.threads, stream, shared](*args)

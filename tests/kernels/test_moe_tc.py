@@ -96,7 +96,7 @@ def test_every_launch_shape_gives_the_few_pairs_bits(config):
 @pytest.mark.sim
 def test_launch_shapes_refuse_what_they_cannot_hold():
     with pytest.raises(ValueError, match="shared memory"):
-        TiledConfig(4, 4, 8, 4)
+        TiledConfig(4, 4, 8, 32)  # 32 stages of 128 weight rows and 256 tokens: 768 KB
     with pytest.raises(ValueError, match="warps_m"):
         TiledConfig(0, 4, 2)
     with pytest.raises(ValueError, match="k_split"):

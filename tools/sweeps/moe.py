@@ -87,8 +87,9 @@ def _option(name: str, default):
 T, TILED = experts_tc.TcConfig, experts_tc.TiledConfig
 TC_CONFIGS = [experts_tc.FEW_PAIRS_CONFIG, experts_tc.MANY_PAIRS_CONFIG] + ([] if ON_SIMULATOR else [
     T(4, 1, 1), T(4, 2, 1), T(4, 4, 1), T(8, 1, 2),  # streaming: (k_split, n_tiles, chunks_per_step, register cap)
-    TILED(2, 4, 1, 4), TILED(2, 4, 4, 3), TILED(4, 2, 2, 3), TILED(4, 2, 4, 3), TILED(2, 2, 2, 4),
-    TILED(4, 4, 2, 3)])  # staged: (warps_m, warps_n, tiles, stages, register cap)
+    TILED(2, 4, 2, 12), TILED(2, 4, 2, 12, 80), TILED(2, 4, 4, 8), TILED(4, 2, 4, 8),
+    TILED(4, 2, 1, 8), TILED(2, 4, 1, 8), TILED(2, 2, 1, 12), TILED(2, 2, 2, 12), TILED(2, 4, 3, 10)])
+# staged: (warps_m, warps_n, tiles, stages, register cap)
 TENSOR_CORES = "--tensor-cores" in sys.argv[1:]
 if TENSOR_CORES:
     CONFIGS = list(dict.fromkeys(TC_CONFIGS))
