@@ -128,7 +128,7 @@ CONFIG_TYPES = (TcConfig, TiledConfig)
 # Python: few warps (the K split and its sum still run).
 K_SPLIT = 2 if ON_SIMULATOR else 4
 FEW_PAIRS_CONFIG = TcConfig(K_SPLIT, 1, 2)  # AR and small trees: weights streamed, two chunks a load step
-MANY_PAIRS_CONFIG = TiledConfig(1, 2, 1, 2) if ON_SIMULATOR else TiledConfig(2, 4, 2, 4)
+MANY_PAIRS_CONFIG = TiledConfig(1, 2, 1, 2) if ON_SIMULATOR else TiledConfig(4, 2, 4, 8)
 FEW_PAIRS = 6  # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
 
 
@@ -424,6 +424,7 @@ def tiled_kernels(config: TiledConfig):
     staged_rows = BLOCK_ROWS * warps_m          # weight rows of a slot
     tokens_per_pass = config.tokens_per_pass
     slot_rows = staged_rows + tokens_per_pass
+    slot_words = 8 * slot_rows                  # uint64 of a slot: 64 bytes a row
     acc_size = 2 * tiles * 4
     tile_words = 4 * tiles                      # uint32 per lane: each token tile's 4 bf16 pairs of a chunk
     weight_copies = -(-4 * staged_rows // threads)  # 16-byte copies per thread per chunk: 4 a row
@@ -435,37 +436,40 @@ def tiled_kernels(config: TiledConfig):
     zero_all = static_for(acc_size, _zero)
 
     def copy_weights(i, args):
-        """This thread's weight copy i of chunk `chunk` into slot `slot` (zeros past K: a padded share)."""
-        stage, slot, w, sources, chunk, n_chunks = args
+        """This thread's weight copy i of chunk `chunk` into the slot at stage[at ..] (zeros past K: a padded
+        share, in_k False)."""
+        stage, at, w, sources, chunk, in_k = args
         piece = cuda.threadIdx.x + i * threads
         if piece < 4 * staged_rows:
-            valid = sources[i] >= 0 and chunk < n_chunks
-            copy16(stage, (slot * slot_rows + (piece >> 2)) * 8 + 2 * (piece & 3), w,
-                   sources[i] + 8 * chunk if valid else 0, 16 if valid else 0)
+            valid = in_k and sources[i] >= 0
+            copy16(stage, at + 2 * piece, w, sources[i] + 8 * chunk if valid else 0, 16 if valid else 0)
 
     def copy_tokens(i, args):
-        """This thread's token copy i of chunk `chunk` into slot `slot` (zeros past the pass's pairs and K)."""
-        stage, slot, tokens, sources, chunk, n_chunks = args
+        """This thread's token copy i of chunk `chunk` into the slot at stage[at ..] (zeros past the pass's pairs
+        and K)."""
+        stage, at, tokens, sources, chunk, in_k = args
         piece = cuda.threadIdx.x + i * threads
         if piece < 4 * tokens_per_pass:
-            valid = sources[i] >= 0 and chunk < n_chunks
-            copy16(stage, (slot * slot_rows + staged_rows + (piece >> 2)) * 8 + 2 * (piece & 3), tokens,
-                   sources[i] + 8 * chunk if valid else 0, 16 if valid else 0)
+            valid = in_k and sources[i] >= 0
+            copy16(stage, at + 8 * staged_rows + 2 * piece, tokens, sources[i] + 8 * chunk if valid else 0,
+                   16 if valid else 0)
 
     copy_all_weights = static_for(weight_copies, device_function(**INLINE_DEVICE)(copy_weights))
     copy_all_tokens = static_for(token_copies, device_function(**INLINE_DEVICE)(copy_tokens))
 
     @device_function(**INLINE_DEVICE)
-    def copy_chunk(stage, chunk, w, weight_sources, tokens, token_sources, n_chunks):
-        slot = chunk % stages
-        copy_all_weights((stage, slot, w, weight_sources, chunk, n_chunks))
-        copy_all_tokens((stage, slot, tokens, token_sources, chunk, n_chunks))
+    def copy_chunk(stage, slot, chunk, w, weight_sources, tokens, token_sources, n_chunks):
+        """Chunk `chunk` into slot `slot`: a 16-byte piece p of a slot is its row p / 4's bytes 16 (p % 4) .."""
+        at, in_k = slot * slot_words, chunk < n_chunks
+        copy_all_weights((stage, at, w, weight_sources, chunk, in_k))
+        copy_all_tokens((stage, at, tokens, token_sources, chunk, in_k))
 
     def load_tile(n, args):
-        """Token tile n's B fragment of the slot (row g of the tile) into b[4 n ..]."""
-        stage, slot, first_token, b = args
-        g, tq = (cuda.threadIdx.x % WARP) >> 2, cuda.threadIdx.x & 3
-        load_staged(stage, (slot * slot_rows + staged_rows + first_token + 8 * n + g) * 8 + 2 * tq, b, 4 * n)
+        """Token tile n's B fragment of the slot (row g of the tile, the lane's words at stage[at ..]) into
+        b[4 n ..]."""
+        stage, at, first_token, b = args
+        g = (cuda.threadIdx.x % WARP) >> 2
+        load_staged(stage, at + (staged_rows + first_token + 8 * n + g) * 8, b, 4 * n)
 
     def tile_mma(n, args):
         acc, weights, b, n_used, scratch = args
@@ -538,26 +542,31 @@ def tiled_kernels(config: TiledConfig):
                     n_used = min(tiles, max(0, (end - base - first_token + 7) // 8))
                     for chunk in range(stages - 1):  # prologue: stages - 1 chunks in flight
                         if chunk < chunks:
-                            copy_chunk(stage, chunk, w, weight_sources, tokens, token_sources, n_chunks)
+                            copy_chunk(stage, chunk, chunk, w, weight_sources, tokens, token_sources, n_chunks)
                         copy_commit()  # (an empty group keeps the count uniform)
                     zero_all(acc)
+                    # counters rather than % in the loop: it issues as many instructions as the mma do
+                    slot, fill_slot, share_left, first_share = 0, stages - 1, share, True
                     for chunk in range(chunks):
                         wait_for_chunk()
                         cuda.syncthreads()  # every thread's copies landed; the slot refilled next is read
                         if chunk + stages - 1 < chunks:
-                            copy_chunk(stage, chunk + stages - 1, w, weight_sources, tokens, token_sources,
-                                       n_chunks)
+                            copy_chunk(stage, fill_slot, chunk + stages - 1, w, weight_sources, tokens,
+                                       token_sources, n_chunks)
                         copy_commit()
-                        slot = chunk % stages
-                        at = slot * slot_rows * 8 + 2 * tq
+                        fill_slot = 0 if fill_slot == stages - 1 else fill_slot + 1
+                        at = slot * slot_words + 2 * tq
                         load_staged(stage, at + row_a * 8, weights, 0)
                         load_staged(stage, at + (row_a + 8) * 8, weights, 4)
                         load_staged(stage, at + row_b * 8, weights, 8)
                         load_staged(stage, at + (row_b + 8) * 8, weights, 12)
-                        load_tiles((stage, slot, first_token, b))
+                        load_tiles((stage, at, first_token, b))
                         tiles_mma((acc, weights, b, n_used, scratch))
-                        if (chunk + 1) % share == 0:
-                            fold_all((acc, total, chunk + 1 == share))
+                        slot = 0 if slot == stages - 1 else slot + 1
+                        share_left -= 1
+                        if share_left == 0:
+                            fold_all((acc, total, first_share))
+                            first_share, share_left = False, share
                     if gate_up:
                         store_act_all((total, out, base + first_token, end, warp_row, f))
                     else:

@@ -1,0 +1,23 @@
+"""One staged-experts call at k2-mini's 32 experts, s = 256 (for ncu), then the gate_up kernel's SASS loop mix."""
+import collections, re, sys
+import numpy as np, torch
+from numba import cuda
+from kdspec.numba_kernels.moe import experts as moe
+from kdspec.numba_kernels.moe import experts_tc as tc
+E, K, D, F, S = 32, 8, 7168, 2048, 256
+g = torch.Generator(device="cuda").manual_seed(0)
+gate_up = (torch.randn(E, 2 * F, D, device="cuda", generator=g) * D ** -0.5).to(torch.bfloat16).view(torch.int16)
+down = (torch.randn(E, D, F, device="cuda", generator=g) * F ** -0.5).to(torch.bfloat16).view(torch.int16)
+rng = np.random.default_rng(0)
+ids = cuda.to_device(np.argsort(rng.random((S, E)), 1)[:, :K].astype(np.int32))
+w = cuda.to_device(np.full((S, K), 1 / K, np.float32))
+x = cuda.to_device(rng.standard_normal((S, D)).astype(np.float32))
+config = tc.MANY_PAIRS_CONFIG
+for _ in range(3):
+    moe.moe_experts(x, ids, w, gate_up, down, tensor_cores=True, config=config)
+cuda.synchronize()
+if "--sass" in sys.argv:
+    kernel = config.kernels()[0]
+    sass = next(iter(kernel.inspect_sass().values())) if hasattr(kernel, "inspect_sass") else ""
+    ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?P\d+\s+)?([A-Z][A-Z0-9.]*)", sass))
+    print("SASS total", sum(ops.values()), ops.most_common(30))
