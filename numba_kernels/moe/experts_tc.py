@@ -128,14 +128,18 @@ CONFIG_TYPES = (TcConfig, TiledConfig)
 # Python: few warps (the K split and its sum still run).
 K_SPLIT = 2 if ON_SIMULATOR else 4
 FEW_PAIRS_CONFIG = TcConfig(K_SPLIT, 1, 2)  # AR and small trees: weights streamed, two chunks a load step
-MANY_PAIRS_CONFIG = TiledConfig(1, 2, 1, 2) if ON_SIMULATOR else TiledConfig(4, 2, 4, 8)
-FEW_PAIRS = 6  # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
+MID_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 4, 1)  # up to 32 tokens a pass, weights streamed
+MANY_PAIRS_CONFIG = TiledConfig(1, 2, 1, 2) if ON_SIMULATOR else TiledConfig(2, 4, 3, 10)  # staged, 96 a pass
+FEW_PAIRS = 6   # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
+MID_PAIRS = 32  # ... and MID_PAIRS_CONFIG (k2-mini at s = 64: 16; at s = 256: 64)
 
 
 def tc_config_for(n_pairs: int, n_experts: int) -> TcConfig | TiledConfig:
     """The launch shape for n_pairs (token, expert) pairs over n_experts experts."""
     mean_pairs = n_pairs / max(1, min(n_experts, n_pairs))
-    return FEW_PAIRS_CONFIG if mean_pairs <= FEW_PAIRS else MANY_PAIRS_CONFIG
+    if mean_pairs <= FEW_PAIRS:
+        return FEW_PAIRS_CONFIG
+    return MID_PAIRS_CONFIG if mean_pairs <= MID_PAIRS else MANY_PAIRS_CONFIG
 
 
 @device_function(**INLINE_DEVICE)

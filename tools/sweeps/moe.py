@@ -85,7 +85,7 @@ def _option(name: str, default):
 
 
 T, TILED = experts_tc.TcConfig, experts_tc.TiledConfig
-TC_CONFIGS = [experts_tc.FEW_PAIRS_CONFIG, experts_tc.MANY_PAIRS_CONFIG] + ([] if ON_SIMULATOR else [
+TC_CONFIGS = [experts_tc.FEW_PAIRS_CONFIG, experts_tc.MID_PAIRS_CONFIG, experts_tc.MANY_PAIRS_CONFIG] + ([] if ON_SIMULATOR else [
     T(4, 1, 1), T(4, 2, 1), T(4, 4, 1), T(8, 1, 2),  # streaming: (k_split, n_tiles, chunks_per_step, register cap)
     TILED(2, 4, 2, 12), TILED(2, 4, 2, 12, 80), TILED(2, 4, 4, 8), TILED(4, 2, 4, 8),
     TILED(4, 2, 1, 8), TILED(2, 4, 1, 8), TILED(2, 2, 1, 12), TILED(2, 2, 2, 12), TILED(2, 4, 3, 10)])
@@ -106,7 +106,8 @@ EXPERT_BYTES = 3 * D * F * 2  # one expert's bf16 gate, up and down
 
 def config_name(index: int) -> str:
     if TENSOR_CORES:
-        return f"t{index}" + ("*" if CONFIGS[index] in (experts_tc.FEW_PAIRS_CONFIG, experts_tc.MANY_PAIRS_CONFIG)
+        return f"t{index}" + ("*" if CONFIGS[index] in (experts_tc.FEW_PAIRS_CONFIG, experts_tc.MID_PAIRS_CONFIG,
+                                                                 experts_tc.MANY_PAIRS_CONFIG)
                               else "")
     return f"c{index}" + ("*" if CONFIGS[index] == moe.DEFAULT_CONFIG else "")
 
