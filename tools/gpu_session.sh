@@ -17,12 +17,14 @@
 #     bash tools/gpu_session.sh experts-tc  # tensor-core experts: GPU tests, the TcConfig sweep at k2-mini's 32
 #                                          # experts, e2e, the k2-mini invariance test, K2's 384 experts
 #     bash tools/gpu_session.sh experts-tc-e2e  # the same without the sweeps
+#     bash tools/gpu_session.sh ncu-experts  # Nsight Compute on the staged expert kernels: time, instructions,
+#                                          # issue and tensor-pipe activity, stall reasons (tools/experts_probe.py)
 #     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
 #                                          # budgets 8..256; or T and those budgets only)
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -121,6 +123,16 @@ experts-tc-e2e)
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)" "$log"
     grep -a -E "^e2e " "$log" | cut -c1-230
     ;;
+ncu-experts)
+    stalls=$(for r in barrier long_scoreboard short_scoreboard math_pipe_throttle mio_throttle wait not_selected \
+        dispatch_stall branch_resolving; do printf "smsp__average_warps_issue_stalled_%s_per_issue_active.ratio," $r; done)
+    step ncu-experts 200 /usr/local/cuda/bin/ncu --kernel-name regex:"^kernel" --launch-count 2 --section SpeedOfLight \
+        --section Occupancy --metrics "${stalls}smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,\
+smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active" \
+        python3 tools/experts_probe.py
+    PATH=$PATH:/usr/local/cuda/bin step sass-experts 100 python3 tools/experts_probe.py --sass
+    grep -a -E "  kernel|stalled|inst_exec|duration|dram__|issue_active|hmma|SASS|Theoretical Occ" "$log" | cut -c1-160
+    ;;
 invariance)
     step invariance-probe 200 python3 -W ignore tools/invariance_probe.py
     tail -n 30 "$log"
@@ -134,7 +146,7 @@ print(runner.format_table(spec.run(temperatures=t, budgets=tuple(int(x) for x in
     tail -n 60 "$log"
     ;;
 *)
-    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, profile-step, profile-kernels, invariance, experts-tc, experts-tc-e2e, spec)" >&2
+    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, profile-step, profile-kernels, invariance, experts-tc, experts-tc-e2e, ncu-experts, spec)" >&2
     exit 2
     ;;
 esac

@@ -19,14 +19,19 @@ chunks) are loaded while this one's mma run, and every token tile's B fragments 
 tile's mma. Up to n_tiles token tiles share each weight load (a pass); tiles past the expert's pairs are skipped,
 and an expert with more pairs takes several passes.
 
-Launch shapes (TcConfig) are built per config; tc_config_for picks FEW_PAIRS_CONFIG (one tile, weights streamed)
-or MANY_PAIRS_CONFIG (four tiles) by the mean number of pairs per active expert (figures: BENCHMARKS.md,
-"Tensor-core experts"; sweep: python3 -m tools.sweeps.moe --tensor-cores).
+Two kinds of kernels run those products. The streaming kernels (TcConfig, tc_kernels) are the above: weights
+straight into registers, the best when the weights are the traffic (few pairs an expert). The staged kernels
+(TiledConfig, tiled_kernels) stage a block's weight rows and its pass's tokens in shared memory by cp.async, so
+a block's warps share each load, and one warp walks all of K for its rows and tokens (many pairs an expert).
+tc_config_for picks by the mean number of pairs per active expert: FEW_PAIRS_CONFIG (streaming, one tile) up to
+FEW_PAIRS, MID_PAIRS_CONFIG (streaming, four tiles) up to MID_PAIRS, else MANY_PAIRS_CONFIG (staged) (figures:
+BENCHMARKS.md, "Tensor-core experts"; sweep: python3 -m tools.sweeps.moe --tensor-cores).
 
 Batch invariance: a pair's result depends only on its activation row, the weights and the fixed K order and
 split, not on which tile or lane it sits in nor on how many pairs the expert has (each output column of an mma
-is its own token's), nor on n_tiles or chunks_per_step, which only group the same operations: configs with one
-k_split give the same bits, so s = 1 and s = 256 give a token the same bits whichever shape each runs.
+is its own token's), nor on the launch shape: every shape feeds each mma the same registers and sums K in the
+same K_SPLIT shares, added in share order (a streaming block's warps through shared memory; a staged warp into
+its running total), so s = 1 and s = 256 give a token the same bits whichever shape each runs.
 Requirements: bf16 weights (uint16 / int16 bits), d and f multiples of 32, every array 16-byte aligned.
 """
 from __future__ import annotations

@@ -1,6 +1,9 @@
-"""One staged-experts call at k2-mini's 32 experts, s = 256 (for ncu), then the gate_up kernel's SASS loop mix."""
+"""Three moe_experts calls at k2-mini's 32 experts, s = 256, with MANY_PAIRS_CONFIG: a small process to put under
+Nsight Compute (tools/gpu_session.sh ncu-experts); with --sass, the staged gate_up kernel's SASS instruction mix
+(numba-cuda's inspect_sass: needs nvdisasm on PATH)."""
 import collections, re, sys
-import numpy as np, torch
+import numpy as np
+import torch
 from numba import cuda
 from kdspec.numba_kernels.moe import experts as moe
 from kdspec.numba_kernels.moe import experts_tc as tc
