@@ -424,7 +424,7 @@ def tiled_kernels(config: TiledConfig):
     16 warps_m gate rows, then the matching up rows) and the pass's tokens (rows 32 warps_m ..: token t of the
     pass, zeros past the expert's pairs and past K). Warp (wm, wn) takes m-tiles from rows 16 wm (gate_up: and
     16 warps_m + 16 wm) or 32 wm (down) and token tiles wn * tiles .. of the pass, and feeds the mma the very
-    registers a streaming warp would (load_words over the staged rows, tile_products). One warp walks all of K: it
+    registers a streaming warp would (load_staged over the staged rows, tile_products). One warp walks all of K: it
     sums each of the K_SPLIT shares in fresh accumulators and adds share q's sum into the total after share
     q - 1's, the order in which tc_kernels adds its warps' partial sums; shares padded past K run their zero
     chunks as the streaming warps do. So both kinds give a pair the same bits."""
@@ -554,7 +554,7 @@ def tiled_kernels(config: TiledConfig):
                             copy_chunk(stage, chunk, chunk, w, weight_sources, tokens, token_sources, n_chunks)
                         copy_commit()  # (an empty group keeps the count uniform)
                     zero_all(acc)
-                    # counters rather than % in the loop: it issues as many instructions as the mma do
+                    # counters, not %: the kernel is issue-bound, and a % per chunk cost ~25 instructions
                     slot, fill_slot, share_left, first_share = 0, stages - 1, share, True
                     for chunk in range(chunks):
                         wait_for_chunk()
