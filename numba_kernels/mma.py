@@ -35,7 +35,7 @@ from numba import cuda, float32, types, uint32
 from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.launch import launcher_for
-from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, static_for
+from kdspec.numba_kernels.runtime import ON_SIMULATOR, SHARED_LIMIT, device_function, static_for
 
 WARP = 32
 SIM_SCRATCH_PER_WARP = 16 * 8 + 8 * 8  # the A tile and the B tile of one mma
@@ -436,15 +436,15 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
                             copy16(tile, at_tile, a, (r0 + r) * lda + kk if valid > 0 else 0, 4 * valid)
                         else:
                             copy16(tile, at_tile, a2, (r0 + r) * lda2 + kk - k_split if valid > 0 else 0,
-                                    4 * valid)
+                                   4 * valid)
                     else:
                         for e in range(4):
                             if kk + e < k_split:
                                 copy4(tile, at_tile + e, a, (r0 + r) * lda + kk + e if e < valid else 0,
-                                       4 if e < valid else 0)
+                                      4 if e < valid else 0)
                             else:
                                 copy4(tile, at_tile + e, a2, (r0 + r) * lda2 + kk + e - k_split if e < valid else 0,
-                                       4 if e < valid else 0)
+                                      4 if e < valid else 0)
         return copy
 
     copy_a = k_contiguous_copier(BM)
@@ -650,7 +650,7 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
 def allow_dynamic_shared(kernel, nbytes: int) -> None:
     """Opt a compiled kernel in to nbytes of dynamic shared memory (a launch above 48 KB fails without it).
     numba-cuda has no public call for this attribute: its kernel's driver function is set directly."""
-    if nbytes <= 48 * 1024:
+    if nbytes <= SHARED_LIMIT:
         return
     from numba.cuda.cudadrv.driver import binding, driver
     attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

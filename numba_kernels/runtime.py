@@ -79,6 +79,7 @@ def _names_cuda(fn) -> bool:
 
 
 # Device helpers are inlined into the kernel (LLVM alwaysinline on a GPU; the simulator has no such option).
+SHARED_LIMIT = 48 * 1024  # shared memory a block may take without opting in (all static shared memory)
 INLINE_DEVICE = {} if ON_SIMULATOR else dict(forceinline=True)
 
 

@@ -22,7 +22,6 @@ from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function
 MAX_LATENT, MAX_ROPE = (32, 8) if ON_SIMULATOR else (512, 64)  # toy shapes on the simulator
 MAX_WIDTH = MAX_LATENT + MAX_ROPE
 MERGE_THREADS = 8 if ON_SIMULATOR else 128
-SHARED_LIMIT = 48 * 1024  # static shared memory per block
 FEW_TOKENS = 16  # below this many query tokens: the decode kernel, or the SIMT kernel's few-token tiles
 
 

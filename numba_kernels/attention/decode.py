@@ -39,7 +39,6 @@ from kdspec.numba_kernels.attention.common import (
     MAX_LATENT,
     MAX_WIDTH,
     MERGE_THREADS,
-    SHARED_LIMIT,
     checked_inputs,
     key_visible,
     merge_splits_kernel,
@@ -47,7 +46,8 @@ from kdspec.numba_kernels.attention.common import (
 from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.launch import launch
 from kdspec.numba_kernels.reductions import FULL_MASK
-from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function, row_blocks, static_for
+from kdspec.numba_kernels.runtime import (INLINE_DEVICE, ON_SIMULATOR, SHARED_LIMIT, device_function, row_blocks,
+                                          static_for)
 
 MAX_TOKENS = 32  # query tokens per call (one visibility word); more: simt.py / tc.py
 P_ALIGN = None if ON_SIMULATOR else 16  # p [KEYS, HEADS] in shared: 16-byte rows for load4

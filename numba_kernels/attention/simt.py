@@ -39,13 +39,13 @@ from kdspec.numba_kernels.attention.common import (
     FEW_TOKENS,
     MAX_LATENT,
     MERGE_THREADS,
-    SHARED_LIMIT,
     checked_inputs,
     key_visible,
     merge_splits_kernel,
 )
 from kdspec.numba_kernels.intrinsics import at, at_put
-from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function, row_blocks, static_for
+from kdspec.numba_kernels.runtime import (INLINE_DEVICE, ON_SIMULATOR, SHARED_LIMIT, device_function, row_blocks,
+                                          static_for)
 
 MIN_KEYS_PER_SPLIT = 64  # one key tile: at s = 1 and 8 the H200 run was fastest with splits this short
 

@@ -47,7 +47,8 @@ from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.moe.experts import ExpertPlan, _address, load_u64x2, load_u64x2_flat, silu
 from kdspec.numba_kernels.mma import (BF16_SCRATCH_PER_WARP, MAX_SHARED_BYTES, WARP, allow_dynamic_shared, copy16,
                                       copy_commit, copy_wait, float_bits, mma_bf16)
-from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function, row_blocks, static_for
+from kdspec.numba_kernels.runtime import (INLINE_DEVICE, ON_SIMULATOR, SHARED_LIMIT, device_function, row_blocks,
+                                          static_for)
 
 CHUNK = 32                                # K columns per step: 4 lanes x 8 columns
 BLOCK_ROWS = 32                           # weight rows per block: two m-tiles of 16
@@ -627,7 +628,7 @@ def _launch(config, kernel, row_blocks_x: int, max_active: int, stream, *args) -
     """kernel over (row_blocks_x, row_blocks(max_active)) blocks of config.threads, with a staged config's dynamic
     shared memory (above 48 KB the compiled kernel must opt in first: compiled here for these arguments)."""
     shared = config.shared_bytes if isinstance(config, TiledConfig) else 0
-    if shared > 48 * 1024 and not ON_SIMULATOR:
+    if shared > SHARED_LIMIT and not ON_SIMULATOR:  # (else no signature to work out per launch)
         signature = tuple(kernel.typeof_pyval(arg) for arg in args)
         if (id(kernel), signature) not in _OPTED_IN:
             kernel.compile(signature)

@@ -22,12 +22,12 @@ from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array as to_device
 from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.reductions import FULL_MASK, USE_SHUFFLE, WARP_SIZE
-from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function
+from kdspec.numba_kernels.runtime import ON_SIMULATOR, SHARED_LIMIT, device_function
 
 MAX_BUDGET = 1024
 MAX_NODES = MAX_BUDGET + 1
 MAX_WORDS = (MAX_NODES + 31) // 32
-SHARED_BYTES = 48 * 1024 - 256  # static shared memory per block (48 KB), a little kept free
+SHARED_BYTES = SHARED_LIMIT - 256  # static shared memory per block, a little kept free
 # A node's (or candidate's) rank and depth are both < MAX_NODES (a rank-r node needs its r elder siblings
 # popped, a depth-d node its d ancestors), so they share one int32: rank << 16 | depth.
 RANK_SHIFT = 16
