@@ -2,7 +2,9 @@
 (grid-stride over tokens: the simulator runs one block, numba_kernels.runtime.row_blocks).
 
 kv_a = kv_a_proj_with_mqa(x) is [s, c + r] = [latent | k_pe]. Row i of the result goes to cache row
-cache_start + i of one layer: [rms_norm(latent) * kv_norm_weight | rope(k_pe, positions[i])].
+cache_start + i of one layer: [rms_norm(latent) * kv_norm_weight | rope(k_pe, positions[i])]. cache_start is a
+launch scalar, or an int32 [1] device array the kernel reads (the cache length the device keeps, so that a
+captured CUDA graph serves every step).
 The cache is ONE device array per model, float32 [layers, capacity, c + r].
 Dimension letters: s tokens, c kv_lora_rank, r qk_rope_head_dim, t cache rows (capacity).
 """
@@ -19,45 +21,65 @@ from kdspec.numba_kernels.launch import launch
 from kdspec.numba_kernels.reductions import block_sum
 from kdspec.numba_kernels.rmsnorm import inverse_rms
 from kdspec.numba_kernels.rope import RopeTable, check_positions, rotate_pair
-from kdspec.numba_kernels.runtime import ON_SIMULATOR, row_blocks
+from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, row_blocks
 
 KV_THREADS = 4 if ON_SIMULATOR else 256  # power of two (block_sum)
 
 
-@kernel_cache.jit
-def write_kv_rows_kernel(kv_a, kv_norm_weight, eps, cos_table, sin_table, positions, cache, layer, cache_start):
-    """kv_a float32 [s, c+r]; kv_norm_weight float32 [c]; positions int64 [s];
-    cache float32 [layers, t, c+r]: rows cache_start .. cache_start+s-1 of `layer` written.
-    Grid (row_blocks(s),), grid-stride over tokens."""
-    scratch = cuda.shared.array(KV_THREADS, float32)
-    latent = kv_norm_weight.shape[0]
-    pairs = (kv_a.shape[1] - latent) // 2
-    for token in range(cuda.blockIdx.x, kv_a.shape[0], cuda.gridDim.x):  # block-uniform: block_sum syncs
-        row = cache_start + token
-        partial = float32(0.0)
-        for j in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
-            value = kv_a[token, j]
-            partial += value * value
-        inv = inverse_rms(block_sum(partial, scratch), latent, eps)
-        for j in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
-            cache[layer, row, j] = kv_a[token, j] * inv * kv_norm_weight[j]
-        position = positions[token]
-        in_table = position >= 0 and position < cos_table.shape[0]
-        for pair in range(cuda.threadIdx.x, pairs, cuda.blockDim.x):
-            column = latent + 2 * pair
-            if in_table:
-                even, odd = rotate_pair(kv_a[token, column], kv_a[token, column + 1],
-                                        cos_table[position, pair], sin_table[position, pair])
-            else:
-                even, odd = float32(math.nan), float32(math.nan)
-            cache[layer, row, column] = even
-            cache[layer, row, column + 1] = odd
+def _write_kernel(start_on_device: bool):
+    """The cache-write kernel for a launch-scalar cache_start, or for one read from an int32 [1] device array
+    (the helper is chosen here: each kernel is typed for one kind of argument)."""
+    if start_on_device:
+        @device_function(inline=True)
+        def first_row(start_arg):
+            return start_arg[0]
+    else:
+        @device_function(inline=True)
+        def first_row(start_arg):
+            return start_arg
+
+    @kernel_cache.jit
+    def write_kv_rows_kernel(kv_a, kv_norm_weight, eps, cos_table, sin_table, positions, cache, layer, start_arg):
+        """kv_a float32 [s, c+r]; kv_norm_weight float32 [c]; positions int64 [s]; start_arg: cache_start (an
+        integer, or int32 [1] holding it); cache float32 [layers, t, c+r]: rows cache_start .. cache_start+s-1
+        of `layer` written. Grid (row_blocks(s),), grid-stride over tokens."""
+        scratch = cuda.shared.array(KV_THREADS, float32)
+        cache_start = first_row(start_arg)
+        latent = kv_norm_weight.shape[0]
+        pairs = (kv_a.shape[1] - latent) // 2
+        for token in range(cuda.blockIdx.x, kv_a.shape[0], cuda.gridDim.x):  # block-uniform: block_sum syncs
+            row = cache_start + token
+            partial = float32(0.0)
+            for j in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
+                value = kv_a[token, j]
+                partial += value * value
+            inv = inverse_rms(block_sum(partial, scratch), latent, eps)
+            for j in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
+                cache[layer, row, j] = kv_a[token, j] * inv * kv_norm_weight[j]
+            position = positions[token]
+            in_table = position >= 0 and position < cos_table.shape[0]
+            for pair in range(cuda.threadIdx.x, pairs, cuda.blockDim.x):
+                column = latent + 2 * pair
+                if in_table:
+                    even, odd = rotate_pair(kv_a[token, column], kv_a[token, column + 1],
+                                            cos_table[position, pair], sin_table[position, pair])
+                else:
+                    even, odd = float32(math.nan), float32(math.nan)
+                cache[layer, row, column] = even
+                cache[layer, row, column + 1] = odd
+
+    return write_kv_rows_kernel
 
 
-def write_kv_rows(cache, layer: int, cache_start: int, kv_a, kv_norm_weight, eps: float, table: RopeTable,
+write_kv_rows_kernel = _write_kernel(False)
+write_kv_rows_at_kernel = _write_kernel(True)
+
+
+def write_kv_rows(cache, layer: int, cache_start, kv_a, kv_norm_weight, eps: float, table: RopeTable,
                   positions, stream=0):
     """Write s tokens' [kv_norm(latent) | rope(k_pe)] into cache[layer, cache_start:cache_start+s] (device,
-    float32 [layers, t, c+r], in place). kv_a float32 [s, c+r]; kv_norm_weight float32 [c]; positions int64 [s].
+    float32 [layers, t, c+r], in place). kv_a float32 [s, c+r]; kv_norm_weight float32 [c]; positions int64 [s];
+    cache_start an integer, or an int32 [1] device array holding it (then the caller vouches that the rows fit).
     Returns the cache."""
     if not is_device_array(cache):
         raise ValueError("cache must be a device array (it is written in place)")
@@ -74,12 +96,16 @@ def write_kv_rows(cache, layer: int, cache_start: int, kv_a, kv_norm_weight, eps
     tokens = kv_a.shape[0]
     if not 0 <= layer < layers:
         raise ValueError(f"layer {layer} outside 0..{layers - 1}")
-    if cache_start < 0 or cache_start + tokens > capacity:
+    on_device = not isinstance(cache_start, (int, np.integer))
+    if on_device:
+        if not is_device_array(cache_start) or tuple(cache_start.shape) != (1,) or cache_start.dtype != np.int32:
+            raise ValueError("a device cache_start must be an int32 [1] device array")
+    elif cache_start < 0 or cache_start + tokens > capacity:
         raise ValueError(f"rows {cache_start}..{cache_start + tokens - 1} do not fit the cache of {capacity} rows")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
     positions = check_positions(positions, tokens, table)
     if tokens:
-        launch(write_kv_rows_kernel, row_blocks(tokens), KV_THREADS, stream,
+        launch(write_kv_rows_at_kernel if on_device else write_kv_rows_kernel, row_blocks(tokens), KV_THREADS, stream,
                kv_a, kv_norm_weight, np.float32(eps), table.cos, table.sin, positions, cache, layer, cache_start)
     return cache

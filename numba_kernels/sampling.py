@@ -249,15 +249,16 @@ def merge_candidates_kernel(cand_ids, cand_values, top_ids, top_values, margins)
                         margins[row] = first - best if best_id != INT32_MAX else float32(math.inf)
 
 
-def _split_topk(logits, k: int, rounds: int, top_ids, top_values, margins, chunk: int):
+def _split_topk(logits, k: int, rounds: int, top_ids, top_values, margins, chunk: int, stream=0):
     """The two launches of a split top-k (see chunk_candidates_kernel / merge_candidates_kernel)."""
     rows, vocab = logits.shape
     chunks = (vocab + chunk - 1) // chunk
-    cand_ids = cuda.device_array((rows, chunks, rounds), np.int32)
-    cand_values = cuda.device_array((rows, chunks, rounds), np.float32)
-    chunk_candidates_kernel[(chunks, min(rows, MAX_ROW_BLOCKS)), ROW_THREADS](to_device(logits), chunk, cand_ids,
-                                                                            cand_values)
-    merge_candidates_kernel[row_blocks(rows), ROW_THREADS](cand_ids, cand_values, top_ids, top_values, margins)
+    cand_ids = cuda.device_array((rows, chunks, rounds), np.int32, stream=stream)
+    cand_values = cuda.device_array((rows, chunks, rounds), np.float32, stream=stream)
+    chunk_candidates_kernel[(chunks, min(rows, MAX_ROW_BLOCKS)), ROW_THREADS, stream](to_device(logits), chunk,
+                                                                                    cand_ids, cand_values)
+    merge_candidates_kernel[row_blocks(rows), ROW_THREADS, stream](cand_ids, cand_values, top_ids, top_values,
+                                                                   margins)
 
 
 
@@ -299,23 +300,24 @@ def sample_rows(logits, temperature: float, seed: int, positions):
     return ids
 
 
-def topk_rows(logits, k: int, split_chunk: int | None = None):
+def topk_rows(logits, k: int, split_chunk: int | None = None, stream=0):
     """(ids int32 [s, k], values float32 [s, k], margins float32 [s]) device arrays, ties -> lower id.
     V > SPLIT_MIN_VOCAB (or ``split_chunk`` given): over vocabulary chunks, then merged per row; k > MAX_TOPK:
-    by radix select (numba_kernels.topk_select)."""
+    by radix select (numba_kernels.topk_select; not on ``stream``). Device logits on ``stream`` allocate and
+    launch nothing else (a CUDA graph can capture it)."""
     _check_logits(logits)
     if not 1 <= k <= logits.shape[1]:
         raise ValueError(f"k must be in 1..V={logits.shape[1]}, got {k}")
     if k > MAX_TOPK:
         return topk_select_rows(logits, k)
     rows = logits.shape[0]
-    top_ids = cuda.device_array((rows, k), np.int32)
-    top_values = cuda.device_array((rows, k), np.float32)
-    margins = cuda.device_array(rows, np.float32)
+    top_ids = cuda.device_array((rows, k), np.int32, stream=stream)
+    top_values = cuda.device_array((rows, k), np.float32, stream=stream)
+    margins = cuda.device_array(rows, np.float32, stream=stream)
     if split_chunk or logits.shape[1] > SPLIT_MIN_VOCAB:
-        _split_topk(logits, k, max(k, 2), top_ids, top_values, margins, split_chunk or SPLIT_CHUNK)
+        _split_topk(logits, k, max(k, 2), top_ids, top_values, margins, split_chunk or SPLIT_CHUNK, stream)
         return top_ids, top_values, margins
-    topk_rows_kernel[row_blocks(rows), ROW_THREADS](to_device(logits), top_ids, top_values, margins)
+    topk_rows_kernel[row_blocks(rows), ROW_THREADS, stream](to_device(logits), top_ids, top_values, margins)
     return top_ids, top_values, margins
 
 

@@ -111,6 +111,7 @@ class _Run:
     prompt: np.ndarray
     config: DecodeConfig
     drafter: Any
+    device_steps: Any = None  # engine.device.step.DeviceSteps: whole steps on the device (None: stage by stage)
 
 
 def generate(model, prompt_ids, config: DecodeConfig, drafter=None, *, golden=None,
@@ -140,6 +141,8 @@ def generate(model, prompt_ids, config: DecodeConfig, drafter=None, *, golden=No
     hidden_layers = tuple(getattr(drafter, "hidden_layers", ()) or ()) if config.mode == "ddtree" else ()
     cache = model.new_cache(capacity, hidden_layers=hidden_layers) if hidden_layers else model.new_cache(capacity)
     run = _Run(model, cache, tree_ops or ReferenceTreeOps(), prompt, config, drafter)
+    device_steps = getattr(run.ops, "device_steps", None)
+    run.device_steps = device_steps(model, cache, config.temperature) if device_steps is not None else None
     logits = model.forward(run.cache, prompt, np.arange(len(prompt), dtype=np.int64))
     model.commit(run.cache, len(prompt))
     bonus = int(run.ops.choose_tokens(logits[-1:], config.temperature, config.seed, np.array([len(prompt)]))[0])
@@ -217,12 +220,22 @@ def _ar_step(run: _Run, tokens: list[int], after_forward: Callable[[], None]) ->
     clock = _Clock()
     prefix_len = cache.length
     root = tokens[-1]
+    accepted = np.zeros(1, dtype=np.int32)
+    if run.device_steps is not None:  # forward, choice and commit queued as one step on the device
+        with clock("verify"):
+            run.device_steps.ar(cache, root)
+        after_forward()
+        with clock("accept"):
+            logits, choice = run.device_steps.finish_ar()
+        with clock("compact"):
+            moves = ddtree_ref.compaction_moves(prefix_len, accepted)
+        return StepOutcome(prefix_len, root, OneNodeTree(root), logits, choice, accepted, int(choice[0]), moves,
+                           cache_len_verify=prefix_len + 1, cache_len_after=cache.length, times=clock.times)
     with clock("verify"):
         logits = model.forward(cache, np.array([root], dtype=np.int64), np.array([prefix_len], dtype=np.int64))
     after_forward()  # outside the stage clocks: the step's timings stay its own
     with clock("accept"):
         choice = run.ops.choose_tokens(logits, config.temperature, config.seed, np.array([prefix_len + 1]))
-    accepted = np.zeros(1, dtype=np.int32)
     with clock("compact"):
         moves = ddtree_ref.compaction_moves(prefix_len, accepted)
         model.commit(cache, 1)
@@ -242,10 +255,24 @@ def _ddtree_step(run: _Run, tokens: list[int], after_forward: Callable[[], None]
         # a drafter that names hidden layers reads them from the cache (the narrow interface of drafters.py)
         context = {"cache": cache} if getattr(run.drafter, "hidden_layers", ()) else {}
         draft_ids, draft_logprobs = run.drafter.draft(committed_before, root, prefix_len, **context)
+    # Near the end of the position range / cache, the tree is cut to what fits (never in the tests' runs).
+    depth_limit = min(draft_ids.shape[0], model.cfg.max_position_embeddings - 1 - prefix_len)
+    node_budget = min(config.budget, cache.capacity - prefix_len - 1)
+    if run.device_steps is not None:
+        # build, verify, accept and compact queued as one step on the device: "build" is the host's uploads and
+        # launch, "verify" the wait for the step's results (the GPU time of all four stages), "compact" the
+        # host's bookkeeping of the moves
+        with clock("build"):
+            run.device_steps.ddtree(cache, draft_logprobs[:depth_limit], draft_ids[:depth_limit], root, node_budget)
+        after_forward()
+        with clock("verify"):
+            tree, logits, choice, accepted, bonus = run.device_steps.finish()
+        with clock("compact"):
+            moves = ddtree_ref.compaction_moves(prefix_len, accepted)
+        return StepOutcome(prefix_len, root, tree, logits, choice, accepted, int(bonus), moves,
+                           cache_len_verify=prefix_len + tree.num_nodes, cache_len_after=cache.length,
+                           times=clock.times, draft=(draft_ids, draft_logprobs))
     with clock("build"):
-        # Near the end of the position range / cache, the tree is cut to what fits (never in the tests' runs).
-        depth_limit = min(draft_ids.shape[0], model.cfg.max_position_embeddings - 1 - prefix_len)
-        node_budget = min(config.budget, cache.capacity - prefix_len - 1)
         tree = ops.build_tree(draft_logprobs[:depth_limit], draft_ids[:depth_limit], root, node_budget, prefix_len)
     with clock("verify"):
         logits = model.forward(cache, tree.tokens, tree.positions, tree.visibility)

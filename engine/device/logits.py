@@ -10,9 +10,13 @@ class DeviceLogits:
     """Logits [s, V] float32 left on the device: token choice runs there; ``np.asarray`` copies them to the
     host once, only when something (a step record) reads them."""
 
-    def __init__(self, device, to_host):
+    def __init__(self, device, to_host, topk=None):
         self.device, self._to_host, self._host = device, to_host, None
-        self._topk = None  # (k, device ids, values, margins) when token choice already ran the top-k
+        self._topk = topk  # (k, ids, values, margins: device or host arrays) when token choice ran the top-k
+
+    def keep_topk(self, k: int, ids, values, margins) -> None:
+        """Keep a top-k the token choice computed over these logits (``topk`` then reads it, not the logits)."""
+        self._topk = (k, ids, values, margins)
 
     @property
     def shape(self):

@@ -23,6 +23,8 @@ token count.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 from numba import cuda
 
@@ -94,6 +96,7 @@ class DeviceModel:
         self._causal_masks = {}  # s -> device mask; an AR step must not pay an upload (alloc + synced copy)
         self._key_tables = {}  # s -> VisibleKeys buffers of batch-invariant attention
         self.hidden_layers: tuple[int, ...] = ()  # hidden states the current cache keeps (new_cache)
+        self._released = None  # (weak reference to the last cache made, its storage): reused once it is released
 
     def _load_layer(self, weight, i: int) -> dict:
         """Layer ``i``'s device weights; ``weight(name)`` gives a tensor (host array, or torch tensor on the GPU)."""
@@ -163,7 +166,16 @@ class DeviceModel:
         hidden_layers = tuple(int(i) for i in hidden_layers)
         if hidden_layers != self.hidden_layers:  # the captured segments copy the kept states out: capture anew
             self.hidden_layers, self._graphs, self._shapes_seen = hidden_layers, {}, {}
-        return DeviceCache(self.cfg, int(capacity), hidden_layers)
+        # The last cache's device arrays, once nothing holds that cache, serve a new one of the same shape: the
+        # step graphs (engine/device/step.py) captured their addresses, and stay valid for the next decode.
+        storage = None
+        if self._released is not None:
+            last, kept = self._released
+            if last() is None and kept[0].shape[1] == capacity and kept[1].shape[0] == len(hidden_layers):
+                storage = kept
+        cache = DeviceCache(self.cfg, int(capacity), hidden_layers, storage=storage)
+        self._released = (weakref.ref(cache), cache.storage)
+        return cache
 
     def hidden_rows(self, cache: DeviceCache, stop: int) -> np.ndarray:
         """The kept hidden states of rows 0..stop-1, copied to the host: float32 [n, stop, d]."""
@@ -194,7 +206,7 @@ class DeviceModel:
             mask = visibility
         else:
             mask = ops.upload(pack_visibility(np.asarray(visibility, dtype=bool)))
-        keys = self._visible_keys(mask, cache.length, s) if self.batch_invariant else None
+        keys = self._visible_keys(mask, s) if self.batch_invariant else None
         graphs = self._graphs_for(s)
         if graphs is None:
             state = self._new_state(s)
@@ -203,7 +215,7 @@ class DeviceModel:
             for k in range(len(self.layers) + 1):
                 self._run_segment(k, state, 0)
                 if k < len(self.layers):
-                    self._attend(k, state, cache, mask, keys)
+                    self._attend(k, state, cache.kv, cache.length, mask, keys, 0)
         else:
             state = graphs.state
             state["tokens"].copy_to_device(tokens)
@@ -211,7 +223,7 @@ class DeviceModel:
             for k in range(len(self.layers) + 1):
                 graphs.replay(k)
                 if k < len(self.layers):
-                    self._attend(k, state, cache, mask, keys)
+                    self._attend(k, state, cache.kv, cache.length, mask, keys, 0)
         start = cache.length
         for slot in range(len(cache.hidden_layers)):
             cache.hidden[slot, start:start + s].copy_to_device(state[("hidden", slot)])
@@ -222,10 +234,10 @@ class DeviceModel:
             logits = ops.copy(logits)
         return DeviceLogits(logits, ops.to_host)
 
-    def _visible_keys(self, mask, prefix_len: int, s: int):
+    def _visible_keys(self, mask, s: int):
         """The compacted key table of this forward (attention/invariant.py): one for all its layers, written
         into a buffer kept per token count (a step must not pay an allocation)."""
-        table = visible_keys(mask, prefix_len, s, out=self._key_tables.get(s))
+        table = visible_keys(mask, s, out=self._key_tables.get(s))
         if s not in self._key_tables and len(self._key_tables) < MAX_CAUSAL_MASKS:
             self._key_tables[s] = table
         return table
@@ -301,18 +313,44 @@ class DeviceModel:
         state[("q_lat", k)] = ops.heads_matmul(q[:, :, :n], layer["w_uk"], transpose_w=False)  # [s, h, c]
         state[("kv_a", k)] = ops.linear(normed, layer["kv_a"])
 
-    def _attend(self, i: int, state: dict, cache: DeviceCache, mask, keys) -> None:
-        """Layer i's cache write and attention (eager: both take the cache length as a launch scalar); ``keys``:
-        the compacted key table of batch-invariant mode (None otherwise)."""
+    def _attend(self, i: int, state: dict, kv, prefix, mask, keys, stream) -> None:
+        """Layer i's cache write and attention into cache rows kv [layers, t, c + r] from row ``prefix`` on (the
+        host's length, launched eagerly between segments; or the device's int32 [1] length cell inside a captured
+        step, batch-invariant mode only); ``keys``: the compacted key table of batch-invariant mode (None
+        otherwise)."""
         cfg = self.cfg
-        kv_write.write_kv_rows(cache.kv, i, cache.length, state[("kv_a", i)], self.layers[i]["kv_norm"],
-                               cfg.rms_norm_eps, self.rope, state["positions"])
+        kv_write.write_kv_rows(kv, i, prefix, state[("kv_a", i)], self.layers[i]["kv_norm"], cfg.rms_norm_eps,
+                               self.rope, state["positions"], stream=stream)
         if keys is not None:
-            mla_attention_invariant(state[("q_lat", i)], state[("q_pe", i)], cache.kv[i], cache.length, mask,
-                                    cfg.softmax_scale, keys=keys, out=state["o_lat"])
+            mla_attention_invariant(state[("q_lat", i)], state[("q_pe", i)], kv[i], prefix, mask,
+                                    cfg.softmax_scale, keys=keys, out=state["o_lat"], stream=stream)
         else:
-            mla_attention(state[("q_lat", i)], state[("q_pe", i)], cache.kv[i], cache.length, mask,
-                          cfg.softmax_scale, out=state["o_lat"])
+            mla_attention(state[("q_lat", i)], state[("q_pe", i)], kv[i], prefix, mask, cfg.softmax_scale,
+                          out=state["o_lat"], stream=stream)
+
+    # -- the forward of a step on the device (engine/device/step.py) ----------------------------------
+    def supports_device_steps(self, cache: DeviceCache) -> bool:
+        """Whether a whole step can run on the device over ``cache``: batch-invariant attention (it reads the
+        prefix length from the device) and no kept hidden states (their copy-out takes the length on the host)."""
+        return self.batch_invariant and not cache.hidden_layers
+
+    def new_step_state(self, s: int) -> dict:
+        """The arrays one on-device forward of s tokens reads and writes (tokens and positions: rows of one
+        int64 [2, s] buffer, ``ids``, so that the host uploads both in one copy)."""
+        ids = cuda.device_array((2, s), np.int64)
+        return dict(ids=ids, tokens=ids[0], positions=ids[1], o_lat=self._new_state(s)["o_lat"])
+
+    def forward_on_device(self, state: dict, cache: DeviceCache, mask, key_table, stream) -> None:
+        """The forward of ``state``'s tokens (new_step_state) with every launch on ``stream`` and nothing read
+        back, so that a CUDA graph can capture it: the cache rows written from the device's length cell on,
+        logits left in state["logits"] [s, V]. mask: the visibility bitmask uint32 [s, >= ceil(s/32)] on the
+        device; key_table: a VisibleKeys buffer of s tokens (attention/invariant.py), filled here."""
+        s = state["tokens"].shape[0]
+        keys = visible_keys(mask, s, out=key_table, stream=stream)
+        for k in range(len(self.layers) + 1):
+            self._run_segment(k, state, stream)
+            if k < len(self.layers):
+                self._attend(k, state, cache.kv, cache.length_cell, mask, keys, stream)
 
     def _dense_ffn(self, layer, x, stream):
         gate_up = self.ops.linear(x, layer["ffn_gate_up"])

@@ -5,6 +5,7 @@ import numpy as np
 from numba import cuda
 
 from kdspec.engine.device.logits import DeviceLogits
+from kdspec.engine.device.step import DeviceSteps
 from kdspec.engine.golden import ddtree as ddtree_ref
 from kdspec.numba_kernels import sampling
 from kdspec.numba_kernels.host_arrays import download, upload
@@ -55,16 +56,29 @@ class _Buffers:
 
 
 class DeviceTreeOps:
-    """Token choice, tree build and accept on the device kernels (one request per launch here).
+    """Token choice, tree build and accept on the device kernels (one request per launch here), and the whole
+    step on the device where the model allows it (``device_steps``; off: the stages one by one).
 
     A step's build and accept reuse one budget's device buffers, and accept walks the tree this object built
     last from its device copy (only the target's choice goes up): the host uploads and allocations were most of
     those stages' host time (BENCHMARKS.md, "Where that host time goes"). Steps must not interleave: one decode
     at a time per object."""
 
-    def __init__(self):
+    def __init__(self, device_steps: bool = True):
         self._buffers: dict[int, _Buffers] = {}
         self._built = None   # (tokens, parents) of the last tree built, and its _Buffers
+        self._use_device_steps = device_steps
+        self._steps: dict[int, DeviceSteps] = {}  # id(model) -> its DeviceSteps
+
+    def device_steps(self, model, cache, temperature: float) -> DeviceSteps | None:
+        """The whole-step runner (engine/device/step.py) for decoding ``model`` over ``cache`` at
+        ``temperature``, or None where it does not apply (then the loop runs the stages one by one)."""
+        if not self._use_device_steps or not DeviceSteps.supports(model, cache, temperature):
+            return None
+        steps = self._steps.get(id(model))
+        if steps is None or steps.model is not model:
+            steps = self._steps[id(model)] = DeviceSteps(model)
+        return steps
 
     def _buffers_for(self, budget: int) -> _Buffers:
         if budget not in self._buffers:
@@ -82,7 +96,7 @@ class DeviceTreeOps:
             # instead of another pass over the vocabulary.
             top_ids, top_values, margins = sampling.topk_rows(logits, TARGET_TOPK)
             host_ids = top_ids.copy_to_host()
-            kept._topk = (TARGET_TOPK, host_ids, top_values, margins)  # ids already here: one copy fewer
+            kept.keep_topk(TARGET_TOPK, host_ids, top_values, margins)  # ids already here: one copy fewer
             ids = host_ids[:, 0]
         elif temperature == 0:
             ids = sampling.argmax_rows(logits)

@@ -88,6 +88,7 @@ class DecodeConfig(NamedTuple):
     blocks_per_sm: int = 2       # blocks an SM runs at once: the register cap (launch bound) and the split count
     fastmath: bool = False
     compact_keys: bool = False   # keys in compacted order through key_rows / key_counts (module docstring)
+    prefix_on_device: bool = False  # prefix_len is an int32 [1] device array (read by the kernel: graph capture)
 
     @property
     def warps(self) -> int:
@@ -150,8 +151,17 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
     def cache_row(key, prefix_len, token, key_rows):
         """The cache row holding key number ``key`` (compacted order: the token's visible in-flight rows)."""
         if COMPACT and key >= prefix_len:
-            return key_rows[token, key - prefix_len]
+            return prefix_len + key_rows[token, key - prefix_len]
         return key
+
+    if config.prefix_on_device:  # chosen here, not in the kernel: each kernel is typed for one kind of argument
+        @device_function(inline=True)
+        def read_prefix(prefix_len):
+            return prefix_len[0]
+    else:
+        @device_function(inline=True)
+        def read_prefix(prefix_len):
+            return prefix_len
 
     @device_function(**INLINE_DEVICE)
     def halve_partials(step, args):
@@ -248,16 +258,18 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
         return value
 
     @kernel_cache.jit(fastmath=config.fastmath, **compile_options)
-    def mla_attention_decode_kernel(q_lat, q_pe, cache, prefix_len, visibility, key_rows, key_counts, scale,
+    def mla_attention_decode_kernel(q_lat, q_pe, cache, prefix_arg, visibility, key_rows, key_counts, scale,
                                     keys_per_split, direct, out, o_part, lse_part):
         """q_lat float32 [s, h, c]; q_pe float32 [s, h, r]; cache float32 [t, c+r] C-contiguous (rows < P + s
-        read); visibility uint32 [s, ceil(s/32)]; compact_keys only: key_rows int32 [s, >= s] and key_counts
-        int32 [s] (otherwise not read); scale float32. Grid (ceil(s*h / HEADS), splits), THREADS.
+        read); prefix_arg: P (prefix_on_device: int32 [1] holding P); visibility uint32 [s, ceil(s/32)];
+        compact_keys only: key_rows int32 [s, >= s] (in-flight indices j: cache row P + j) and key_counts int32
+        [s] (otherwise not read); scale float32. Grid (ceil(s*h / HEADS), splits), THREADS.
         direct: write out (flat [s*h*c]); else o_part (flat [splits*s*h*c], normalised) and lse_part (flat
         [splits*s*h]; -inf and zeros where the row sees nothing in the split)."""
         tid = cuda.threadIdx.x
         lane, warp = tid % L, tid // L
         split = cuda.blockIdx.y
+        prefix_len = read_prefix(prefix_arg)
         tokens, heads, latent = q_lat.shape[0], q_lat.shape[1], q_lat.shape[2]
         rope = q_pe.shape[2]
         width = latent + rope
@@ -460,11 +472,13 @@ def mla_attention_decode(q_lat, q_pe, cache_layer, prefix_len: int, visibility, 
                          unused_rows.reshape(-1), scale, keys_per_split, total_keys, out, stream)
 
 
-def launch_decode(config: DecodeConfig, q_lat, q_pe, cache_layer, prefix_len: int, visibility, key_rows,
+def launch_decode(config: DecodeConfig, q_lat, q_pe, cache_layer, prefix_len, visibility, key_rows,
                   key_counts, scale: float, keys_per_split: int, total_keys: int, out, stream):
     """Launch the decode kernel of ``config`` on checked device arguments (see the kernel's docstring), key
-    ranges of keys_per_split keys (a multiple of config.keys) up to total_keys, and merge the splits into
-    ``out`` when there are several. Returns out."""
+    ranges of keys_per_split keys (a multiple of config.keys) up to total_keys (with prefix_on_device, a bound:
+    splits past a row's keys are empty and merged away exactly), and merge the splits into ``out`` when there
+    are several. prefix_len: P, or with config.prefix_on_device an int32 [1] device array holding it. Returns
+    out."""
     tokens, heads, latent = q_lat.shape
     rows = tokens * heads
     splits = -(-total_keys // keys_per_split)

@@ -7,14 +7,19 @@ last d + 1 rows of a longer prefix.
 Both reduce the same keys in the same order when the keys are numbered in compacted order: key t < P is
 cache row t, key t >= P the (t - P)-th in-flight row the token sees (its ancestors come before it, in
 increasing row order, as the tree build numbers them). ``visible_keys`` turns the visibility bitmask into
-that table (key_rows int32 [s, s], key_counts int32 [s]); ``mla_attention_invariant`` runs the decode kernel
-(attention/decode.py) in compact_keys mode over it, with
+that table (key_rows int32 [s, s]: in-flight indices j, cache row P + j; key_counts int32 [s]), which does not
+depend on P; ``mla_attention_invariant`` runs the decode kernel (attention/decode.py) in compact_keys mode over
+it, with
 
 - one token per block (HEADS divides h): the block's key order is its token's;
 - key ranges of a fixed KEYS_PER_SPLIT compacted keys, so a row's split boundaries depend only on its own key
   count (rows with fewer keys than the launch's longest get empty splits, merged away exactly: an empty
   split's weight is exp(-inf) = 0, and a lone split's is exp(0) = 1);
 - no tensor-core path and no split count chosen from the grid size.
+
+P may also be given as an int32 [1] device array (the cache length the device keeps: a captured CUDA graph
+then serves every step of a token count); the grid then holds the splits of the whole cache, those past a
+row's keys empty.
 
 The fp32 arithmetic is the decode kernel's, so against the float64 reference it holds the same tolerance.
 Shapes: q_lat float32 [s, h, c], q_pe float32 [s, h, r], cache_layer float32 [t, c + r] (C-contiguous),
@@ -41,25 +46,25 @@ TABLE_THREADS = 8 if ON_SIMULATOR else 128
 
 class VisibleKeys(NamedTuple):
     """Each query token's visible in-flight keys, in compacted order (see the module docstring)."""
-    rows: object    # int32 [s, s]: cache rows P + j of the in-flight rows j the token sees, ascending
+    rows: object    # int32 [s, s]: the in-flight rows j the token sees (cache rows P + j), ascending
     counts: object  # int32 [s]
 
 
 @kernel_cache.jit
-def _visible_key_rows(visibility, tokens, prefix_len, key_rows, key_counts):
-    """key_rows[i, :n] = P + j for each in-flight row j query i sees (ascending), key_counts[i] = n.
+def _visible_key_rows(visibility, tokens, key_rows, key_counts):
+    """key_rows[i, :n] = j for each in-flight row j query i sees (ascending), key_counts[i] = n.
     Grid row_blocks(s) x TABLE_THREADS, one thread per query token (grid-stride)."""
     start = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     for token in range(start, tokens, cuda.gridDim.x * cuda.blockDim.x):
         count = 0
         for j in range(tokens):
             if (visibility[token, j >> 5] >> uint32(j & 31)) & uint32(1) != uint32(0):
-                key_rows[token, count] = prefix_len + j
+                key_rows[token, count] = j
                 count += 1
         key_counts[token] = count
 
 
-def visible_keys(visibility, prefix_len: int, tokens: int, out: VisibleKeys | None = None, stream=0) -> VisibleKeys:
+def visible_keys(visibility, tokens: int, out: VisibleKeys | None = None, stream=0) -> VisibleKeys:
     """The compacted key table of s = ``tokens`` query tokens from their visibility bitmask uint32 [s, >= ceil(s/32)]
     (device or host). ``out``: a VisibleKeys of [s, s] / [s] to fill instead of new arrays."""
     visibility = as_device_array(visibility)
@@ -74,31 +79,36 @@ def visible_keys(visibility, prefix_len: int, tokens: int, out: VisibleKeys | No
         raise ValueError(f"out: a table for {tokens} tokens needs rows [{tokens}, {tokens}] and counts [{tokens}]")
     if tokens:
         launch(_visible_key_rows, row_blocks(-(-tokens // TABLE_THREADS)), TABLE_THREADS, stream, visibility, tokens,
-               prefix_len, out.rows, out.counts)
+               out.rows, out.counts)
     return out
 
 
-def invariant_config(heads: int) -> DecodeConfig:
+def invariant_config(heads: int, prefix_on_device: bool = False) -> DecodeConfig:
     """The decode kernel's DEFAULT_CONFIG in compact_keys mode with HEADS the largest power of two dividing h
     (at most DEFAULT_CONFIG.heads): a block never spans two tokens."""
     block_heads = DEFAULT_CONFIG.heads
     while heads % block_heads:
         block_heads //= 2
-    return DEFAULT_CONFIG._replace(heads=block_heads, compact_keys=True)
+    return DEFAULT_CONFIG._replace(heads=block_heads, compact_keys=True, prefix_on_device=prefix_on_device)
 
 
-def mla_attention_invariant(q_lat, q_pe, cache_layer, prefix_len: int, visibility, scale: float, keys=None,
+def mla_attention_invariant(q_lat, q_pe, cache_layer, prefix_len, visibility, scale: float, keys=None,
                             out=None, stream=0):
     """o_lat float32 [s, h, c] (device), batch-invariant (module docstring). Arguments as
-    mla_attention.mla_attention; ``keys``: the VisibleKeys of this visibility and prefix_len (visible_keys),
+    mla_attention.mla_attention, but prefix_len may be an int32 [1] device array (read by the kernel; the
+    caller vouches that P + s rows fit the cache); ``keys``: the VisibleKeys of this visibility (visible_keys),
     computed here when None (a forward computes it once for all its layers)."""
-    q_lat, q_pe, cache_layer, visibility, out = checked_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility,
-                                                               out, stream, latent_limits=True,
+    on_device = not isinstance(prefix_len, (int, np.integer))
+    if on_device and (tuple(prefix_len.shape) != (1,) or prefix_len.dtype != np.int32):
+        raise ValueError(f"a device prefix_len must be int32 [1], got {prefix_len.dtype} {list(prefix_len.shape)}")
+    q_lat, q_pe, cache_layer, visibility, out = checked_inputs(q_lat, q_pe, cache_layer, 0 if on_device else prefix_len,
+                                                               visibility, out, stream, latent_limits=True,
                                                                contiguous_cache=True)
     tokens, heads, latent = q_lat.shape
     if tokens * heads == 0 or latent == 0:
         return out
     if keys is None:
-        keys = visible_keys(visibility, prefix_len, tokens, stream=stream)
-    return launch_decode(invariant_config(heads), q_lat, q_pe, cache_layer, prefix_len, visibility, keys.rows,
-                         keys.counts, scale, KEYS_PER_SPLIT, prefix_len + tokens, out, stream)
+        keys = visible_keys(visibility, tokens, stream=stream)
+    total_keys = cache_layer.shape[0] if on_device else prefix_len + tokens
+    return launch_decode(invariant_config(heads, on_device), q_lat, q_pe, cache_layer, prefix_len, visibility,
+                         keys.rows, keys.counts, scale, KEYS_PER_SPLIT, total_keys, out, stream)

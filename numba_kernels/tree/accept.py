@@ -57,10 +57,11 @@ def accept_trees_kernel(parents, tokens, target_choice, num_nodes, accepted, tau
 
 
 def accept_trees(parents, tokens, target_choice, num_nodes, depth_limit: int, threads: int = ACCEPT_THREADS,
-                 out=None):
+                 out=None, stream=0):
     """Accept walks for b requests in one launch -> (accepted int32 [b, L+1], tau int32 [b], bonus int32 [b]),
-    device arrays. Inputs numpy or device arrays (see accept_trees_kernel); ``out``: (accepted, tau, bonus)
-    device buffers of those shapes to write instead of new ones."""
+    device arrays. Inputs numpy or device arrays (see accept_trees_kernel; target_choice may be a strided view,
+    e.g. the first column of a top-k); ``out``: (accepted, tau, bonus) device buffers of those shapes to write
+    instead of new ones; with device inputs and ``out``, nothing but the launch on ``stream`` (graph capture)."""
     if len(parents.shape) != 2 or not tuple(parents.shape) == tuple(tokens.shape) == tuple(target_choice.shape):
         raise ValueError(f"parents {parents.shape}, tokens {tokens.shape}, target_choice {target_choice.shape} "
                          "must all be [b, N+1]")
@@ -74,13 +75,13 @@ def accept_trees(parents, tokens, target_choice, num_nodes, depth_limit: int, th
     if threads != ACCEPT_THREADS:
         raise ValueError(f"threads must be ACCEPT_THREADS={ACCEPT_THREADS} (the shared scratch size)")
     if out is None:
-        out = (cuda.device_array((batch, depth_limit + 1), np.int32), cuda.device_array(batch, np.int32),
-               cuda.device_array(batch, np.int32))
+        out = (cuda.device_array((batch, depth_limit + 1), np.int32, stream=stream),
+               cuda.device_array(batch, np.int32, stream=stream), cuda.device_array(batch, np.int32, stream=stream))
     accepted, tau, bonus = out
     shapes = tuple(tuple(a.shape) for a in out)
     if shapes != ((batch, depth_limit + 1), (batch,), (batch,)) or any(a.dtype != np.int32 for a in out):
         raise ValueError(f"out holds int32 arrays of shapes {shapes}, need ({batch}, {depth_limit + 1}), "
                          f"({batch},), ({batch},)")
-    accept_trees_kernel[batch, threads](to_device(parents), to_device(tokens), to_device(target_choice),
-                                        to_device(num_nodes), accepted, tau, bonus)
+    accept_trees_kernel[batch, threads, stream](to_device(parents), to_device(tokens), to_device(target_choice),
+                                                to_device(num_nodes), accepted, tau, bonus)
     return accepted, tau, bonus

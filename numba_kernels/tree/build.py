@@ -500,23 +500,24 @@ class TreeBatch:
         return tuple(self.packed.shape) == (len(OUTPUT_ROWS), batch, budget + 1)
 
 
-def _configured(kernel, batch: int):
-    """kernel[b, BUILD_THREADS], made once per (kernel, b) on a GPU: launches skip building the launch
-    configuration. The simulator's kernel[...] sets the grid on the kernel itself and returns it, so a kept one
-    would launch with whatever grid was configured last: it is configured at every launch there."""
-    return kernel[batch, BUILD_THREADS] if ON_SIMULATOR else _configured_on_gpu(kernel, batch)
+def _configured(kernel, batch: int, stream=0):
+    """kernel[b, BUILD_THREADS, stream], made once per (kernel, b, stream) on a GPU: launches skip building the
+    launch configuration. The simulator's kernel[...] sets the grid on the kernel itself and returns it, so a
+    kept one would launch with whatever grid was configured last: it is configured at every launch there."""
+    return kernel[batch, BUILD_THREADS, stream] if ON_SIMULATOR else _configured_on_gpu(kernel, batch, stream)
 
 
 @functools.lru_cache(maxsize=64)
-def _configured_on_gpu(kernel, batch: int):
-    return kernel[batch, BUILD_THREADS]
+def _configured_on_gpu(kernel, batch: int, stream):
+    return kernel[batch, BUILD_THREADS, stream]
 
 
 def build_trees(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget: int,
-                out: TreeBatch | None = None, kernel=None) -> TreeBatch:
+                out: TreeBatch | None = None, kernel=None, stream=0) -> TreeBatch:
     """Build b trees in one launch (one block of BUILD_THREADS per request). Inputs numpy or device arrays
     (see make_build_kernel; device log-probs C-contiguous); ``out``: buffers from TreeBatch.allocate(b, budget)
-    to reuse (every slot is rewritten); ``kernel``: a make_build_kernel(...) variant (default build_trees_kernel)."""
+    to reuse (every slot is rewritten); ``kernel``: a make_build_kernel(...) variant (default build_trees_kernel);
+    with device inputs and ``out``, nothing but the launch on ``stream`` (a CUDA graph can capture it)."""
     shape = tuple(draft_logprobs.shape)
     if len(shape) != 3 or tuple(draft_ids.shape) != shape:
         raise ValueError(f"draft_logprobs {shape} and draft_ids {tuple(draft_ids.shape)} must both be [b, L, K]")
@@ -540,7 +541,7 @@ def build_trees(draft_logprobs, draft_ids, root_tokens, prefix_lens, budget: int
     draft_logprobs = to_device(draft_logprobs)
     if not draft_logprobs.is_c_contiguous():  # the kernel indexes its flat data
         raise ValueError("draft_logprobs must be C-contiguous")
-    _configured(kernel or build_trees_kernel, batch)(
+    _configured(kernel or build_trees_kernel, batch, stream)(
         draft_logprobs, to_device(draft_ids), to_device(root_tokens), to_device(prefix_lens), budget,
         out.packed, out.num_nodes, out.visibility)
     return out

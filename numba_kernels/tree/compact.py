@@ -3,6 +3,12 @@
 accepted[k] can equal j for k < j (row base+j is a source for a later move and a destination of an
 earlier one), so each thread first reads all the source values of its columns into registers, and only
 then writes; threads own disjoint columns, so no other thread can overwrite a value before it is read.
+Rows already in place (accepted[j] == j: the whole path in the common case of a chain of first children)
+are neither read nor written.
+
+``compact_on_device`` is the step-on-the-device form: the base row is the cache length the device keeps
+(int32 [1]), accepted and tau the accept kernel's outputs, and a second launch then advances that length by
+tau; nothing is read back, so a CUDA graph can capture both.
 Dimension letters: b requests, t cache rows (capacity), L drafted depths; width = c + r (e.g. 512 + 64).
 """
 from __future__ import annotations
@@ -16,6 +22,7 @@ from kdspec.numba_kernels.runtime import ON_SIMULATOR
 
 MAX_ACCEPT = 32  # L + 1 <= 32 drafted positions per step
 COMPACT_THREADS = 4 if ON_SIMULATOR else 128
+MAX_REQUESTS = 1024  # advance_lengths_kernel: one thread a request, one block
 
 
 @kernel_cache.jit
@@ -32,9 +39,19 @@ def compact_rows_kernel(cache, base_rows, accepted, tau):
     held = cuda.local.array(MAX_ACCEPT, float32)
     for column in range(cuda.threadIdx.x, cache.shape[2], cuda.blockDim.x):
         for j in range(count):  # read every source of this column first ...
-            held[j] = cache[layer, base + accepted[request, j], column]
+            if accepted[request, j] != j:
+                held[j] = cache[layer, base + accepted[request, j], column]
         for j in range(count):  # ... then write: a later source can no longer be clobbered
-            cache[layer, base + j, column] = held[j]
+            if accepted[request, j] != j:
+                cache[layer, base + j, column] = held[j]
+
+
+@kernel_cache.jit
+def advance_lengths_kernel(lengths, tau):
+    """lengths int32 [b] += tau int32 [b] (the committed rows of each request); grid (1,), threads >= b."""
+    request = cuda.threadIdx.x
+    if request < lengths.shape[0]:
+        lengths[request] += tau[request]
 
 
 def compact_rows(cache, base_rows, accepted, tau, threads: int = COMPACT_THREADS):
@@ -64,3 +81,23 @@ def compact_rows(cache, base_rows, accepted, tau, threads: int = COMPACT_THREADS
     compact_rows_kernel[(cache.shape[0], accepted.shape[0]), threads](cache, to_device(base_rows),
                                                                       to_device(accepted), to_device(tau))
     return src, dst
+
+
+def compact_on_device(caches, lengths, accepted, tau, stream=0):
+    """Compact each of ``caches`` (device float32 [layers, t, width]) for b requests from device arrays only,
+    then lengths += tau: lengths int32 [b] (the rows committed before the step: each request's base row),
+    accepted int32 [b, >= L+1] (the accept kernel's padded path), tau int32 [b] in 1..min(MAX_ACCEPT, width).
+    Nothing is checked on the device's values (they are not on the host): the accept kernel's outputs satisfy
+    the rules compact_rows checks. Nothing is allocated or read back (a CUDA graph can capture it)."""
+    batch = lengths.shape[0]
+    if tuple(tau.shape) != (batch,) or len(accepted.shape) != 2 or accepted.shape[0] != batch:
+        raise ValueError(f"lengths {tuple(lengths.shape)}, accepted {tuple(accepted.shape)} and tau "
+                         f"{tuple(tau.shape)} must be [b], [b, L+1], [b]")
+    if not 1 <= batch <= MAX_REQUESTS or any(a.dtype != np.int32 for a in (lengths, accepted, tau)):
+        raise ValueError(f"lengths, accepted and tau must be int32 device arrays of 1..{MAX_REQUESTS} requests")
+    for cache in caches:
+        if len(cache.shape) != 3 or cache.dtype != np.float32:
+            raise ValueError(f"caches must be float32 [layers, t, width], got {cache.dtype} {cache.shape}")
+        if cache.shape[0]:
+            compact_rows_kernel[(cache.shape[0], batch), COMPACT_THREADS, stream](cache, lengths, accepted, tau)
+    advance_lengths_kernel[1, batch, stream](lengths, tau)

@@ -91,14 +91,33 @@ def test_tree_rows_equal_their_ar_steps_bit_for_bit(tokens, heads, prefix):
 
 
 @pytest.mark.sim
+@pytest.mark.parametrize("tokens, prefix, spare", [(5, 3, 2), (4, 9, 2 * KEYS_PER_SPLIT + 3)])
+def test_prefix_on_the_device_gives_the_same_bits(tokens, prefix, spare):
+    """P read by the kernel from an int32 [1] device array, the grid sized for the whole cache (empty splits
+    past every row's keys, spare > 2 splits): the bits of P given as a launch scalar."""
+    rng = np.random.default_rng(tokens + spare)
+    visible = random_tree_visibility(tokens, rng)
+    q_lat, q_pe, cache = inputs(rng, tokens, 2, 16, 4, prefix, spare_rows=spare)
+    scalar = verify(q_lat, q_pe, cache, prefix, visible)
+    on_device = mla_attention_invariant(q_lat, q_pe, cache, cuda.to_device(np.array([prefix], np.int32)),
+                                        pack_visibility(visible), SCALE,
+                                        out=poisoned(q_lat.shape)).copy_to_host()
+    assert not np.isnan(scalar).any()
+    assert np.array_equal(scalar.view(np.uint32), on_device.view(np.uint32))
+    with pytest.raises(ValueError, match="int32 \\[1\\]"):
+        mla_attention_invariant(q_lat, q_pe, cache, cuda.to_device(np.array([prefix], np.int64)),
+                                pack_visibility(visible), SCALE)
+
+
+@pytest.mark.sim
 def test_visible_key_table():
     rng = np.random.default_rng(3)
-    tokens, prefix = 37, 11
+    tokens = 37
     visible = random_tree_visibility(tokens, rng)
-    table = visible_keys(pack_visibility(visible), prefix, tokens)
+    table = visible_keys(pack_visibility(visible), tokens)
     rows, counts = table.rows.copy_to_host(), table.counts.copy_to_host()
     for token in range(tokens):
-        expected = prefix + np.flatnonzero(visible[token])
+        expected = np.flatnonzero(visible[token])
         assert counts[token] == len(expected)
         assert np.array_equal(rows[token, :counts[token]], expected)
 
@@ -115,7 +134,7 @@ def test_block_heads_are_the_largest_power_of_two_dividing_the_heads():
 @pytest.mark.sim
 def test_rejects_a_mask_of_the_wrong_shape():
     with pytest.raises(ValueError, match="visibility"):
-        visible_keys(cuda.to_device(np.zeros((3, 1), np.uint32)), 0, 4)
+        visible_keys(cuda.to_device(np.zeros((3, 1), np.uint32)), 4)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,211 @@
+"""DeviceSteps: a whole AR or DDTree step on the device, captured as one CUDA graph per shape.
+
+A DDTree step queued by ``ddtree`` is, with no host read in between:
+
+    build (the draft uploaded) -> the tree's tokens and positions into the forward's inputs -> the forward
+    (cache rows written and attention from the cache length the device keeps) -> top-k of the logits (the
+    target's greedy choice is its column 0) -> accept -> compaction, skipping rows in place, and the length
+    advanced by tau -> the results gathered into one buffer
+
+and ``finish`` reads that buffer in one copy. An AR step is the forward of the one token the host uploads,
+its top-k and the length advanced by one. On cuda the second step of a shape (budget and node count; the
+cache's arrays) is captured and every later one replays the graph: one launch a step. The first step of a
+shape runs the same launches eagerly (it compiles every kernel and warms cuBLAS); under the simulator every
+step does. The results are the ones the step-by-step path (DeviceTreeOps and DeviceModel.forward) computes,
+bit for bit: the same kernels on the same inputs (tests/engine/test_device_steps.py).
+
+What it needs (``DeviceSteps.supports``): the batch-invariant device model (its attention reads the prefix
+length on the device), no kept hidden states (a block drafter's), greedy choice (T = 0).
+The logits and top-k a step returns live in the graph's buffers: valid until the next step of that shape
+(the decode loop reads what a record needs before the next step).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from kdspec.engine.device.logits import DeviceLogits
+from kdspec.engine.golden import ddtree as ddtree_ref
+from kdspec.numba_kernels.attention.common import causal_visibility
+from kdspec.numba_kernels.attention.invariant import VisibleKeys
+from kdspec.numba_kernels.host_arrays import download, upload
+from kdspec.numba_kernels import sampling
+from kdspec.numba_kernels.tree import accept as tree_accept
+from kdspec.numba_kernels.tree import build as tree_build
+from kdspec.numba_kernels.tree import compact as tree_compact
+from kdspec.numba_kernels.tree import step_io
+from kdspec.traces.schema import TARGET_TOPK
+
+MAX_SHAPES = 16  # captured step graphs kept (AR, and one per budget and node count; older ones dropped)
+
+
+def tree_size(depths: int, width: int, budget: int) -> int:
+    """Nodes of the best-first tree (the root included) over ``depths`` x ``width`` candidates at ``budget``:
+    min(B, sum of K^d for d = 1..L) + 1 (the build pops until the budget or the candidates run out)."""
+    total, level = 0, 1
+    for _ in range(depths):
+        level *= width
+        total += level
+        if total >= budget:
+            return budget + 1
+    return min(total, budget) + 1
+
+
+class _Shape:
+    """The device buffers of one step shape, allocated once: the forward's state, its key table, the top-k, and
+    (DDTree) the tree, its inputs, the accept walk's outputs, the results and their pinned host copy."""
+
+    def __init__(self, model, cache, nodes: int, budget: int | None, draft_shape: tuple[int, int] | None):
+        self.nodes, self.storage = nodes, cache.storage  # the graphs name these arrays: kept alive with them
+        self.state = model.new_step_state(nodes)
+        self.keys = VisibleKeys(cuda.device_array((nodes, nodes), np.int32), cuda.device_array(nodes, np.int32))
+        self.ids_host = cuda.pinned_array((2, nodes), np.int64)
+        self.graph, self.runs = None, 0
+        if budget is None:  # AR: one causal row
+            self.mask = cuda.to_device(causal_visibility(nodes))
+            self.one = cuda.to_device(np.ones(1, np.int32))
+            self.top_host = cuda.pinned_array((1, min(TARGET_TOPK, model.cfg.vocab_size)), np.int32)
+            return
+        depth, width = draft_shape
+        self.budget = budget
+        self.draft = cuda.device_array((2, 1, depth, width), np.int32)  # log-prob bits, then ids: one upload
+        self.draft_host = cuda.pinned_array((2, 1, depth, width), np.int32)
+        self.scalars = cuda.device_array((2, 1), np.int32)               # root token, prefix length
+        self.scalars_host = cuda.pinned_array((2, 1), np.int32)
+        self.tree = tree_build.TreeBatch.allocate(1, budget)
+        self.mask = self.tree.visibility[0, :nodes]
+        self.accepted = (cuda.device_array((1, nodes), np.int32), cuda.device_array(1, np.int32),
+                         cuda.device_array(1, np.int32))
+        self.layout = step_io.ResultLayout(nodes, nodes)
+        self.results = cuda.device_array(self.layout.size, np.int32)
+        self.results_host = cuda.pinned_array(self.layout.size, np.int32)
+
+
+class DeviceSteps:
+    """AR and DDTree steps of one DeviceModel, each one launch sequence (one CUDA graph replay on cuda); see the
+    module docstring. One decode at a time per object."""
+
+    def __init__(self, model):
+        self.model = model
+        self._shapes: dict = {}
+        self._pending = None
+
+    @staticmethod
+    def supports(model, cache, temperature: float) -> bool:
+        check = getattr(model, "supports_device_steps", None)
+        return temperature == 0 and check is not None and check(cache)
+
+    # -- shapes and graphs ---------------------------------------------------------------------------
+    def _shape(self, key, make) -> _Shape:
+        shape = self._shapes.get(key)
+        if shape is None:
+            if len(self._shapes) >= MAX_SHAPES:
+                self._shapes.pop(next(iter(self._shapes)))
+            shape = self._shapes[key] = make()
+        return shape
+
+    def _run(self, shape: _Shape, body) -> None:
+        """body(stream) eagerly the first time (compiles, warms cuBLAS) and on the simulator; captured the second
+        time on cuda, then replayed."""
+        ops = self.model.ops
+        shape.runs += 1
+        if not self.model.use_graphs or shape.runs < 2:
+            body(0)
+            return
+        if shape.graph is None:
+            shape.graph = ops.segment_graphs(ops.torch, lambda _k, _state, stream: body(stream), 1, shape.state)
+        shape.graph.replay(0)
+
+    def _top(self, shape: _Shape, stream):
+        logits = shape.state["logits"]
+        shape.state["top"] = sampling.topk_rows(logits, min(TARGET_TOPK, logits.shape[1]), stream=stream)
+        return shape.state["top"]
+
+    def _logits(self, shape: _Shape) -> DeviceLogits:
+        ids, values, margins = shape.state["top"]
+        return DeviceLogits(shape.state["logits"], self.model.ops.to_host, topk=(ids.shape[1], ids, values, margins))
+
+    # -- AR ----------------------------------------------------------------------------------------------
+    def ar(self, cache, root: int) -> None:
+        """Queue the AR step of ``root`` at position cache.length (its row committed on the device too);
+        ``finish_ar`` reads it."""
+        model = self.model
+        prefix = cache.length
+        if prefix + 1 > cache.capacity or prefix >= model.cfg.max_position_embeddings:
+            raise ValueError(f"one new row after {prefix} exceeds the cache capacity {cache.capacity}")
+        shape = self._shape(("ar", id(cache.kv)), lambda: _Shape(model, cache, 1, None, None))
+        shape.ids_host[:, 0] = (root, prefix)
+        upload(shape.state["ids"], shape.ids_host)
+        length = cache.device_length()
+
+        def body(stream):
+            model.forward_on_device(shape.state, cache, shape.mask, shape.keys, stream)
+            self._top(shape, stream)
+            tree_compact.advance_lengths_kernel[1, 1, stream](length, shape.one)
+
+        self._run(shape, body)
+        self._pending = (cache, shape, prefix)
+
+    def finish_ar(self) -> tuple[DeviceLogits, np.ndarray]:
+        """The queued AR step's logits [1, V] and greedy choice int64 [1] (one copy read); the cache's length
+        advanced by one on the host too."""
+        cache, shape, _ = self._pending
+        self._pending = None
+        download(shape.top_host, shape.state["top"][0])
+        cache.advanced_on_device(1)
+        return self._logits(shape), shape.top_host[0, :1].astype(np.int64)
+
+    # -- DDTree --------------------------------------------------------------------------------------
+    def ddtree(self, cache, draft_logprobs: np.ndarray, draft_ids: np.ndarray, root: int, budget: int) -> None:
+        """Queue a whole DDTree step (module docstring) over the draft [L, K] at budget B; ``finish`` reads it."""
+        ddtree_ref.check_draft(draft_logprobs, draft_ids, budget)
+        model, prefix = self.model, cache.length
+        depth, width = draft_ids.shape
+        nodes = tree_size(depth, width, budget)
+        if prefix + nodes > cache.capacity or prefix + depth >= model.cfg.max_position_embeddings:
+            raise ValueError(f"a tree of {nodes} nodes after {prefix} rows does not fit the cache of "
+                             f"{cache.capacity} rows or the positions")
+        shape = self._shape(("ddtree", budget, nodes, depth, width, id(cache.kv)),
+                            lambda: _Shape(model, cache, nodes, budget, (depth, width)))
+        shape.draft_host[0, 0] = draft_logprobs.view(np.int32)
+        shape.draft_host[1, 0] = draft_ids
+        shape.scalars_host[:, 0] = (root, prefix)
+        upload(shape.draft, shape.draft_host)
+        upload(shape.scalars, shape.scalars_host)
+        length = cache.device_length()
+        tree, (accepted, tau, bonus) = shape.tree, shape.accepted
+
+        def body(stream):
+            tree_build.build_trees(shape.draft[0].view(np.float32), shape.draft[1], shape.scalars[0],
+                                   shape.scalars[1], budget, out=tree, stream=stream)
+            step_io.tree_inputs(tree.packed, shape.state["tokens"], shape.state["positions"], stream=stream)
+            model.forward_on_device(shape.state, cache, shape.mask, shape.keys, stream)
+            top_ids = self._top(shape, stream)[0]
+            tree_accept.accept_trees(tree.parents[:, :nodes], tree.tokens[:, :nodes], top_ids.T[:1],
+                                     tree.num_nodes, nodes - 1, out=shape.accepted, stream=stream)
+            tree_compact.compact_on_device([cache.kv], length, accepted, tau, stream=stream)
+            step_io.gather_results(tree.packed, tree.num_nodes, top_ids, accepted, tau, bonus, shape.results,
+                                   stream=stream)
+
+        self._run(shape, body)
+        self._pending = (cache, shape, prefix)
+
+    def finish(self) -> tuple[ddtree_ref.Tree, DeviceLogits, np.ndarray, np.ndarray, int]:
+        """The queued step's (tree, logits, choice int64 [N+1], accepted int32 [tau], bonus), read in one copy;
+        the cache's length advanced by tau on the device and the host."""
+        cache, shape, prefix = self._pending
+        self._pending = None
+        download(shape.results_host, shape.results)
+        found, layout, nodes = shape.results_host, shape.layout, shape.nodes
+        if found[layout.count] != nodes:
+            raise RuntimeError(f"the tree build gave {found[layout.count]} nodes, the step was shaped for {nodes}")
+        rows = found[layout.tree:layout.tree + step_io.TREE_ROWS * nodes].reshape(step_io.TREE_ROWS, nodes).copy()
+        built = {name: rows[row] for row, name in enumerate(tree_build.OUTPUT_ROWS)}
+        tree = ddtree_ref.Tree(tokens=built["tokens"].astype(np.int64), parents=built["parents"],
+                               depths=built["depths"], ranks=built["ranks"], scores=built["scores"].view(np.float32),
+                               positions=built["positions"].astype(np.int64), visibility=shape.mask)
+        tau = int(found[layout.tau])
+        accepted = found[layout.accepted:layout.accepted + tau].copy()
+        choice = found[layout.choice:layout.choice + nodes].astype(np.int64)
+        cache.advanced_on_device(tau)
+        return tree, self._logits(shape), choice, accepted, int(found[layout.bonus])

@@ -1,0 +1,154 @@
+"""Whole steps on the device (engine/device/step.py) against the same stages run one by one.
+
+- a DDTree step queued as one launch sequence (build, verify, top-k, accept, compaction, length) gives the tree,
+  the target's choice, the accepted path, the bonus and the cache rows (every bit) that DeviceTreeOps and
+  DeviceModel.forward / compact give stage by stage, over several steps of a noisy drafter (so that paths off
+  the first-child chain, and with them real compaction moves, occur), and the device's length cell follows;
+- AR and DDTree decodes through generate: the same tokens and the same records field by field, and the device
+  steps really ran;
+- the tree size the step is shaped for equals the reference build's on random drafts;
+- where it does not apply (fp32 without batch invariance, T > 0) the loop runs the stages one by one.
+Under the simulator on `tiny` (eager launches); on a GPU the same tests capture and replay CUDA graphs (each
+shape's second step on).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kdspec.engine.decode.config import DecodeConfig
+from kdspec.engine.decode.drafters import NoisyOracleDrafter
+from kdspec.engine.decode.loop import generate
+from kdspec.engine.device.model import DeviceModel
+from kdspec.engine.device.step import DeviceSteps, tree_size
+from kdspec.engine.device.tree_ops import DeviceTreeOps
+from kdspec.engine.golden import ddtree as ddtree_ref
+from kdspec.engine.model.config import PRESETS
+from kdspec.engine.model.weights import random_weights
+
+PROMPT = np.array([3, 1, 4, 1, 5, 9, 2], dtype=np.int64)
+
+
+@pytest.fixture(scope="module")
+def model(device_backend):
+    cfg = PRESETS["tiny"]
+    return DeviceModel(cfg, random_weights(cfg, 0), device_backend, batch_invariant=True)
+
+
+def golden_continuation(model, tokens: int) -> np.ndarray:
+    """The model's own greedy continuation of PROMPT (stage by stage), prompt included."""
+    result = generate(model, PROMPT, DecodeConfig(tokens), tree_ops=DeviceTreeOps(device_steps=False))
+    return np.concatenate([PROMPT, result.tokens])
+
+
+def prefilled(model, capacity: int):
+    cache = model.new_cache(capacity)
+    logits = model.forward(cache, PROMPT, np.arange(len(PROMPT)))
+    model.commit(cache, len(PROMPT))
+    return cache, int(np.argmax(np.asarray(logits)[-1]))
+
+
+@pytest.mark.sim
+def test_ddtree_steps_equal_the_stages_one_by_one(model):
+    cfg, budget, steps = model.cfg, 9, 5
+    drafter = NoisyOracleDrafter(golden_continuation(model, 24), 0.5, 3, 3, budget, cfg.vocab_size)
+    capacity = len(PROMPT) + 40
+    fused_cache, root = prefilled(model, capacity)
+    plain_cache, _ = prefilled(model, capacity)
+    plain_root = root
+    device, plain = DeviceSteps(model), DeviceTreeOps(device_steps=False)
+    moved = 0
+    for _ in range(steps):
+        prefix = fused_cache.length
+        assert plain_cache.length == prefix
+        ids, logprobs = drafter.draft(None, root, prefix)
+        device.ddtree(fused_cache, logprobs, ids, root, budget)
+        tree, logits, choice, accepted, bonus = device.finish()
+
+        want_tree = plain.build_tree(logprobs, ids, plain_root, budget, prefix)
+        want_logits = model.forward(plain_cache, want_tree.tokens, want_tree.positions, want_tree.visibility)
+        want_choice = plain.choose_tokens(want_logits, 0.0, 0, want_tree.positions + 1)
+        want_accepted, want_bonus = plain.accept(want_tree.parents, want_tree.tokens, want_choice)
+        model.compact(plain_cache, want_accepted)
+
+        for name in ("tokens", "parents", "depths", "ranks", "positions"):
+            assert np.array_equal(getattr(tree, name), getattr(want_tree, name)), name
+        assert np.array_equal(tree.scores.view(np.uint32), want_tree.scores.view(np.uint32))
+        assert np.array_equal(np.asarray(logits).view(np.uint32), np.asarray(want_logits).view(np.uint32))
+        assert np.array_equal(choice, want_choice)
+        assert np.array_equal(accepted, want_accepted) and bonus == want_bonus
+        assert fused_cache.length == plain_cache.length == prefix + len(accepted)
+        assert int(fused_cache.length_cell.copy_to_host()[0]) == fused_cache.length
+        rows = fused_cache.length
+        assert np.array_equal(fused_cache.kv.copy_to_host()[:, :rows].view(np.uint32),
+                              plain_cache.kv.copy_to_host()[:, :rows].view(np.uint32))
+        moved += not np.array_equal(accepted, np.arange(len(accepted)))
+        root = plain_root = bonus
+    assert moved, "no step accepted a path off the first-child chain: compaction was not exercised"
+
+
+def records(model, config, drafter, device_steps: bool):
+    found = []
+    ops = DeviceTreeOps(device_steps=device_steps)
+    result = generate(model, PROMPT, config, drafter, on_step=found.append, tree_ops=ops)
+    return result, found
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_decodes_equal_the_stages_one_by_one(model, mode, monkeypatch):
+    cfg = model.cfg
+    config = (DecodeConfig(10) if mode == "ar" else DecodeConfig(12, mode="ddtree", block_size=4, budget=6))
+    drafter = None if mode == "ar" else NoisyOracleDrafter(golden_continuation(model, 24), 0.6, 1, 3, 6,
+                                                            cfg.vocab_size)
+    ran = []
+    for name in ("finish", "finish_ar"):
+        real = getattr(DeviceSteps, name)
+        monkeypatch.setattr(DeviceSteps, name, lambda self, _real=real: (ran.append(1), _real(self))[1])
+    fused, fused_records = records(model, config, drafter, True)
+    assert len(ran) == fused.steps, "the decode did not run its steps on the device"
+    ran.clear()
+    plain, plain_records = records(model, config, drafter, False)
+    assert not ran
+    assert np.array_equal(fused.tokens, plain.tokens)
+    assert len(fused_records) == len(plain_records)
+    for got, want in zip(fused_records, plain_records):
+        assert got.keys() == want.keys()
+        for field in got:
+            if field == "stage_times" or field.startswith("time_"):
+                continue
+            a, b = np.asarray(got[field]), np.asarray(want[field])
+            assert a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), field
+
+
+@pytest.mark.sim
+def test_tree_size_is_the_reference_builds():
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        depths, width, budget = int(rng.integers(1, 5)), int(rng.integers(1, 5)), int(rng.integers(0, 40))
+        logprobs = np.sort(-rng.random((depths, width)).astype(np.float32), axis=1)[:, ::-1].copy()
+        ids = np.tile(np.arange(width, dtype=np.int32), (depths, 1))
+        built = ddtree_ref.build_tree(logprobs, ids, 0, budget, 0)
+        assert tree_size(depths, width, budget) == built.num_nodes, (depths, width, budget)
+
+
+@pytest.mark.sim
+def test_applies_only_where_it_can(model, device_backend):
+    cfg = PRESETS["tiny"]
+    fp32 = DeviceModel(cfg, random_weights(cfg, 0), device_backend)
+    ops = DeviceTreeOps()
+    assert not fp32.batch_invariant
+    assert ops.device_steps(fp32, fp32.new_cache(16), 0.0) is None
+    assert ops.device_steps(model, model.new_cache(16), 0.5) is None
+    assert ops.device_steps(model, model.new_cache(16, hidden_layers=(1,)), 0.0) is None
+    assert isinstance(ops.device_steps(model, model.new_cache(16), 0.0), DeviceSteps)
+    assert DeviceTreeOps(device_steps=False).device_steps(model, model.new_cache(16), 0.0) is None
+
+
+@pytest.mark.sim
+def test_refuses_a_tree_that_does_not_fit(model):
+    cache, root = prefilled(model, len(PROMPT) + 4)
+    ids = np.tile(np.arange(3, dtype=np.int32), (2, 1))
+    logprobs = np.log(np.full((2, 3), 1 / 3, np.float32))
+    with pytest.raises(ValueError, match="does not fit"):
+        DeviceSteps(model).ddtree(cache, logprobs, ids, root, 6)
