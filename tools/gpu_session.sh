@@ -19,12 +19,14 @@
 #     bash tools/gpu_session.sh experts-tc-e2e  # the same without the sweeps
 #     bash tools/gpu_session.sh ncu-experts  # Nsight Compute on the staged expert kernels: time, instructions,
 #                                          # issue and tensor-pipe activity, stall reasons (tools/experts_probe.py)
+#     bash tools/gpu_session.sh device-steps  # whole steps on the device: their tests (tiny: captured graphs
+#                                          # against the stages one by one; k2-mini decodes), then bench e2e
 #     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
 #                                          # budgets 8..256; or T and those budgets only)
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -132,6 +134,14 @@ smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycl
         python3 tools/experts_probe.py
     PATH=$PATH:/usr/local/cuda/bin step sass-experts 100 python3 tools/experts_probe.py --sass
     grep -a -E "  kernel|stalled|inst_exec|duration|dram__|issue_active|hmma|SASS|Theoretical Occ" "$log" | cut -c1-160
+    ;;
+device-steps)
+    step device-steps-tests 200 python3 -m pytest -q -m "sim or gpu" tests/engine/test_device_steps.py \
+        tests/kernels/test_attention_invariant.py tests/engine/test_device_tree_ops.py
+    step invariance-k2 90 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[True]"
+    step bench-e2e 290 "${kdtree[@]}" bench e2e
+    grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Error" "$log" | head -20
+    grep -a -E "^e2e " "$log" | cut -c1-230
     ;;
 invariance)
     step invariance-probe 200 python3 -W ignore tools/invariance_probe.py

@@ -81,6 +81,7 @@ class OracleDrafter:
         self.golden = golden
         self.num_depths, self.top_k, self.vocab = int(num_depths), int(top_k), int(vocab)
         self._logprobs = _oracle_logprobs(self.top_k)
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # position -> (ids, logprobs): _kept_row
 
     def _row(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids int32 [K], logprobs float32 [K]) predicting absolute ``position``."""
@@ -97,8 +98,16 @@ class OracleDrafter:
         ids = np.empty((self.num_depths, self.top_k), dtype=np.int32)
         logprobs = np.empty((self.num_depths, self.top_k), dtype=np.float32)
         for depth in range(1, self.num_depths + 1):
-            ids[depth - 1], logprobs[depth - 1] = self._row(position + depth)
+            ids[depth - 1], logprobs[depth - 1] = self._kept_row(position + depth)
         return ids, logprobs
+
+    def _kept_row(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """_row(position), computed once: a row depends on the position alone, and consecutive steps draft
+        overlapping positions (the drafter's host time is part of every step's)."""
+        row = self._rows.get(position)
+        if row is None:
+            row = self._rows[position] = self._row(position)
+        return row
 
 
 class NoisyOracleDrafter(OracleDrafter):

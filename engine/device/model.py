@@ -160,18 +160,20 @@ class DeviceModel:
 
     # -- model protocol ------------------------------------------------------------------------------
     def new_cache(self, capacity: int, hidden_layers: tuple[int, ...] = ()) -> DeviceCache:
+        """A cache of at least ``capacity`` rows (see below) keeping the hidden states of ``hidden_layers``."""
         if not isinstance(capacity, (int, np.integer)) or not 1 <= capacity <= self.max_cache_rows:
             raise ValueError(f"cache capacity must be in 1..{self.max_cache_rows}, got {capacity!r}")
         check_hidden_layers(self.cfg, hidden_layers)
         hidden_layers = tuple(int(i) for i in hidden_layers)
         if hidden_layers != self.hidden_layers:  # the captured segments copy the kept states out: capture anew
             self.hidden_layers, self._graphs, self._shapes_seen = hidden_layers, {}, {}
-        # The last cache's device arrays, once nothing holds that cache, serve a new one of the same shape: the
-        # step graphs (engine/device/step.py) captured their addresses, and stay valid for the next decode.
+        # The last cache's device arrays, once nothing holds that cache, serve a new one that fits in them (its
+        # capacity is then theirs, at least the one asked for): the step graphs (engine/device/step.py) captured
+        # their addresses, and stay valid for the next decode.
         storage = None
         if self._released is not None:
             last, kept = self._released
-            if last() is None and kept[0].shape[1] == capacity and kept[1].shape[0] == len(hidden_layers):
+            if last() is None and kept[0].shape[1] >= capacity and kept[1].shape[0] == len(hidden_layers):
                 storage = kept
         cache = DeviceCache(self.cfg, int(capacity), hidden_layers, storage=storage)
         self._released = (weakref.ref(cache), cache.storage)

@@ -36,7 +36,7 @@ from kdspec.numba_kernels.tree import compact as tree_compact
 from kdspec.numba_kernels.tree import step_io
 from kdspec.traces.schema import TARGET_TOPK
 
-MAX_SHAPES = 16  # captured step graphs kept (AR, and one per budget and node count; older ones dropped)
+MAX_SHAPES = 16  # captured step graphs kept for one cache (AR, one per budget and tree shape; oldest dropped)
 
 
 def tree_size(depths: int, width: int, budget: int) -> int:
@@ -96,7 +96,11 @@ class DeviceSteps:
         return temperature == 0 and check is not None and check(cache)
 
     # -- shapes and graphs ---------------------------------------------------------------------------
-    def _shape(self, key, make) -> _Shape:
+    def _shape(self, cache, key, make) -> _Shape:
+        """The buffers (and graph) of step shape ``key`` over ``cache``'s arrays. Only one cache's shapes are
+        kept: a decode over other arrays drops them (their graphs and buffers) and captures anew."""
+        if self._shapes and next(iter(self._shapes.values())).storage is not cache.storage:
+            self._shapes.clear()
         shape = self._shapes.get(key)
         if shape is None:
             if len(self._shapes) >= MAX_SHAPES:
@@ -133,7 +137,7 @@ class DeviceSteps:
         prefix = cache.length
         if prefix + 1 > cache.capacity or prefix >= model.cfg.max_position_embeddings:
             raise ValueError(f"one new row after {prefix} exceeds the cache capacity {cache.capacity}")
-        shape = self._shape(("ar", id(cache.kv)), lambda: _Shape(model, cache, 1, None, None))
+        shape = self._shape(cache, "ar", lambda: _Shape(model, cache, 1, None, None))
         shape.ids_host[:, 0] = (root, prefix)
         upload(shape.state["ids"], shape.ids_host)
         length = cache.device_length()
@@ -165,7 +169,7 @@ class DeviceSteps:
         if prefix + nodes > cache.capacity or prefix + depth >= model.cfg.max_position_embeddings:
             raise ValueError(f"a tree of {nodes} nodes after {prefix} rows does not fit the cache of "
                              f"{cache.capacity} rows or the positions")
-        shape = self._shape(("ddtree", budget, nodes, depth, width, id(cache.kv)),
+        shape = self._shape(cache, ("ddtree", budget, nodes, depth, width),
                             lambda: _Shape(model, cache, nodes, budget, (depth, width)))
         shape.draft_host[0, 0] = draft_logprobs.view(np.int32)
         shape.draft_host[1, 0] = draft_ids

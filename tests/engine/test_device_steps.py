@@ -152,3 +152,44 @@ def test_refuses_a_tree_that_does_not_fit(model):
     logprobs = np.log(np.full((2, 3), 1 / 3, np.float32))
     with pytest.raises(ValueError, match="does not fit"):
         DeviceSteps(model).ddtree(cache, logprobs, ids, root, 6)
+
+
+@pytest.mark.gpu
+def test_k2_mini_decodes_on_the_device_equal_the_stages_one_by_one():
+    """k2-mini (bf16 weights drawn on the GPU): AR and DDTree (oracle, budgets 7 and 63) with whole steps on the
+    device, captured as graphs, give the stage-by-stage AR output token for token."""
+    from kdspec.engine.decode.drafters import OracleDrafter
+    from kdspec.engine.model.weights import SeededWeights
+    cfg = PRESETS["k2-mini"]
+    k2 = DeviceModel(cfg, SeededWeights(cfg, 0), "cuda", weight_dtype="bfloat16")
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 24)
+    plain = generate(k2, prompt, DecodeConfig(24), tree_ops=DeviceTreeOps(device_steps=False)).tokens
+    ops = DeviceTreeOps()
+    assert np.array_equal(generate(k2, prompt, DecodeConfig(24), tree_ops=ops).tokens, plain)
+    golden = np.concatenate([prompt, plain])
+    for budget in (7, 63):
+        drafter = OracleDrafter(golden, 7, budget, cfg.vocab_size)
+        config = DecodeConfig(24, mode="ddtree", block_size=8, budget=budget)
+        result = generate(k2, prompt, config, drafter, tree_ops=ops)
+        assert np.array_equal(result.tokens, plain), budget
+        assert result.mean_tau > 7
+
+
+@pytest.mark.sim
+def test_a_released_cache_lends_its_arrays_to_the_next_one(model):
+    """Captured step graphs name the cache's arrays: a new cache reuses a released one's when they fit, never
+    those of a cache still held."""
+    first = model.new_cache(20)
+    kv = first.kv
+    held = model.new_cache(20)
+    assert held.kv is not kv
+    del first, held
+    again = model.new_cache(12)
+    assert again.kv is not kv and again.capacity >= 12  # `held` was made last: its arrays, not `first`'s
+    kept = again.kv
+    del again
+    reused = model.new_cache(20)
+    assert reused.kv is kept and reused.capacity == 20 and reused.length == 0
+    assert int(reused.device_length().copy_to_host()[0]) == 0
+    del reused
+    assert model.new_cache(21).kv is not kept  # does not fit

@@ -56,7 +56,7 @@ def test_large_vocab_takes_the_split_path(monkeypatch):
     monkeypatch.setattr(sampling, "SPLIT_CHUNK", 8)
     calls = []
     original = sampling._split_topk
-    monkeypatch.setattr(sampling, "_split_topk", lambda *a: calls.append(a[-1]) or original(*a))
+    monkeypatch.setattr(sampling, "_split_topk", lambda *a: calls.append(a[6]) or original(*a))  # the chunk
     ids, _, _ = sampling.topk_rows(cuda.to_device(logits), 3)
     assert calls == [8]
     np.testing.assert_array_equal(ids.copy_to_host(), _reference_topk(logits, 3)[0])
