@@ -21,12 +21,13 @@
 #                                          # issue and tensor-pipe activity, stall reasons (tools/experts_probe.py)
 #     bash tools/gpu_session.sh device-steps  # whole steps on the device: their tests (tiny: captured graphs
 #                                          # against the stages one by one; k2-mini decodes), then bench e2e
+#     bash tools/gpu_session.sh steps-profile  # bench e2e, then GPU time per kernel of AR and oracle B=7 / 63 / 255
 #     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
 #                                          # budgets 8..256; or T and those budgets only)
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|steps-profile|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -142,6 +143,12 @@ device-steps)
     step bench-e2e 290 "${kdtree[@]}" bench e2e
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Error" "$log" | head -20
     grep -a -E "^e2e " "$log" | cut -c1-230
+    ;;
+steps-profile)
+    step bench-e2e 290 "${kdtree[@]}" bench e2e
+    step profile-kernels 240 python3 -W ignore tools/step_profile.py --kernels --budgets 7,63,255 --top 16
+    grep -a -E "^e2e " "$log" | cut -c1-230
+    grep -a -E "^=====|ms/step" "$log" | cut -c1-150
     ;;
 invariance)
     step invariance-probe 200 python3 -W ignore tools/invariance_probe.py

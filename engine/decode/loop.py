@@ -23,7 +23,7 @@ from kdspec.engine.decode.config import DecodeConfig
 from kdspec.engine.decode.records import GoldenCompare, OneNodeTree, StepOutcome, read_target, step_record
 from kdspec.engine.golden import ddtree as ddtree_ref
 from kdspec.engine.golden import sampling as sampling_ref
-from kdspec.traces.schema import STAGES
+from kdspec.traces.schema import STAGES, TARGET_TOPK
 
 
 class ReferenceTreeOps:
@@ -112,6 +112,7 @@ class _Run:
     config: DecodeConfig
     drafter: Any
     device_steps: Any = None  # engine.device.step.DeviceSteps: whole steps on the device (None: stage by stage)
+    choice_topk: int = TARGET_TOPK  # the top-k a step on the device computes: 1 (the choice) unless records read it
 
 
 def generate(model, prompt_ids, config: DecodeConfig, drafter=None, *, golden=None,
@@ -143,6 +144,7 @@ def generate(model, prompt_ids, config: DecodeConfig, drafter=None, *, golden=No
     run = _Run(model, cache, tree_ops or ReferenceTreeOps(), prompt, config, drafter)
     device_steps = getattr(run.ops, "device_steps", None)
     run.device_steps = device_steps(model, cache, config.temperature) if device_steps is not None else None
+    run.choice_topk = TARGET_TOPK if on_step is not None else 1
     logits = model.forward(run.cache, prompt, np.arange(len(prompt), dtype=np.int64))
     model.commit(run.cache, len(prompt))
     bonus = int(run.ops.choose_tokens(logits[-1:], config.temperature, config.seed, np.array([len(prompt)]))[0])
@@ -223,7 +225,7 @@ def _ar_step(run: _Run, tokens: list[int], after_forward: Callable[[], None]) ->
     accepted = np.zeros(1, dtype=np.int32)
     if run.device_steps is not None:  # forward, choice and commit queued as one step on the device
         with clock("verify"):
-            run.device_steps.ar(cache, root)
+            run.device_steps.ar(cache, root, run.choice_topk)
         after_forward()
         with clock("accept"):
             logits, choice = run.device_steps.finish_ar()
@@ -263,7 +265,8 @@ def _ddtree_step(run: _Run, tokens: list[int], after_forward: Callable[[], None]
         # launch, "verify" the wait for the step's results (the GPU time of all four stages), "compact" the
         # host's bookkeeping of the moves
         with clock("build"):
-            run.device_steps.ddtree(cache, draft_logprobs[:depth_limit], draft_ids[:depth_limit], root, node_budget)
+            run.device_steps.ddtree(cache, draft_logprobs[:depth_limit], draft_ids[:depth_limit], root, node_budget,
+                                    run.choice_topk)
         after_forward()
         with clock("verify"):
             tree, logits, choice, accepted, bonus = run.device_steps.finish()

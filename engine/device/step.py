@@ -64,7 +64,7 @@ class _Shape:
         if budget is None:  # AR: one causal row
             self.mask = cuda.to_device(causal_visibility(nodes))
             self.one = cuda.to_device(np.ones(1, np.int32))
-            self.top_host = cuda.pinned_array((1, min(TARGET_TOPK, model.cfg.vocab_size)), np.int32)
+            self.choice_host = cuda.pinned_array((1, 1), np.int32)
             return
         depth, width = draft_shape
         self.budget = budget
@@ -74,6 +74,7 @@ class _Shape:
         self.scalars_host = cuda.pinned_array((2, 1), np.int32)
         self.tree = tree_build.TreeBatch.allocate(1, budget)
         self.mask = self.tree.visibility[0, :nodes]
+        self.choice = cuda.device_array((1, nodes), np.int32)
         self.accepted = (cuda.device_array((1, nodes), np.int32), cuda.device_array(1, np.int32),
                          cuda.device_array(1, np.int32))
         self.layout = step_io.ResultLayout(nodes, nodes)
@@ -120,9 +121,10 @@ class DeviceSteps:
             shape.graph = ops.segment_graphs(ops.torch, lambda _k, _state, stream: body(stream), 1, shape.state)
         shape.graph.replay(0)
 
-    def _top(self, shape: _Shape, stream):
+    @staticmethod
+    def _top(shape: _Shape, topk: int, stream):
         logits = shape.state["logits"]
-        shape.state["top"] = sampling.topk_rows(logits, min(TARGET_TOPK, logits.shape[1]), stream=stream)
+        shape.state["top"] = sampling.topk_rows(logits, min(topk, logits.shape[1]), stream=stream)
         return shape.state["top"]
 
     def _logits(self, shape: _Shape) -> DeviceLogits:
@@ -130,21 +132,22 @@ class DeviceSteps:
         return DeviceLogits(shape.state["logits"], self.model.ops.to_host, topk=(ids.shape[1], ids, values, margins))
 
     # -- AR ----------------------------------------------------------------------------------------------
-    def ar(self, cache, root: int) -> None:
-        """Queue the AR step of ``root`` at position cache.length (its row committed on the device too);
-        ``finish_ar`` reads it."""
+    def ar(self, cache, root: int, topk: int = TARGET_TOPK) -> None:
+        """Queue the AR step of ``root`` at position cache.length (its row committed on the device too) with the
+        top-``topk`` of its logits (1: the greedy choice alone; a record reads TARGET_TOPK); ``finish_ar`` reads
+        it."""
         model = self.model
         prefix = cache.length
         if prefix + 1 > cache.capacity or prefix >= model.cfg.max_position_embeddings:
             raise ValueError(f"one new row after {prefix} exceeds the cache capacity {cache.capacity}")
-        shape = self._shape(cache, "ar", lambda: _Shape(model, cache, 1, None, None))
+        shape = self._shape(cache, ("ar", topk), lambda: _Shape(model, cache, 1, None, None))
         shape.ids_host[:, 0] = (root, prefix)
         upload(shape.state["ids"], shape.ids_host)
         length = cache.device_length()
 
         def body(stream):
             model.forward_on_device(shape.state, cache, shape.mask, shape.keys, stream)
-            self._top(shape, stream)
+            self._top(shape, topk, stream)
             tree_compact.advance_lengths_kernel[1, 1, stream](length, shape.one)
 
         self._run(shape, body)
@@ -155,13 +158,15 @@ class DeviceSteps:
         advanced by one on the host too."""
         cache, shape, _ = self._pending
         self._pending = None
-        download(shape.top_host, shape.state["top"][0])
+        download(shape.choice_host, shape.state["top"][0][:, :1])  # [1, 1]: the greedy choice alone
         cache.advanced_on_device(1)
-        return self._logits(shape), shape.top_host[0, :1].astype(np.int64)
+        return self._logits(shape), shape.choice_host[0].astype(np.int64)
 
     # -- DDTree --------------------------------------------------------------------------------------
-    def ddtree(self, cache, draft_logprobs: np.ndarray, draft_ids: np.ndarray, root: int, budget: int) -> None:
-        """Queue a whole DDTree step (module docstring) over the draft [L, K] at budget B; ``finish`` reads it."""
+    def ddtree(self, cache, draft_logprobs: np.ndarray, draft_ids: np.ndarray, root: int, budget: int,
+               topk: int = TARGET_TOPK) -> None:
+        """Queue a whole DDTree step (module docstring) over the draft [L, K] at budget B, with the top-``topk``
+        of every node's logits (as ``ar``); ``finish`` reads it."""
         ddtree_ref.check_draft(draft_logprobs, draft_ids, budget)
         model, prefix = self.model, cache.length
         depth, width = draft_ids.shape
@@ -169,7 +174,7 @@ class DeviceSteps:
         if prefix + nodes > cache.capacity or prefix + depth >= model.cfg.max_position_embeddings:
             raise ValueError(f"a tree of {nodes} nodes after {prefix} rows does not fit the cache of "
                              f"{cache.capacity} rows or the positions")
-        shape = self._shape(cache, ("ddtree", budget, nodes, depth, width),
+        shape = self._shape(cache, ("ddtree", budget, nodes, depth, width, topk),
                             lambda: _Shape(model, cache, nodes, budget, (depth, width)))
         shape.draft_host[0, 0] = draft_logprobs.view(np.int32)
         shape.draft_host[1, 0] = draft_ids
@@ -184,8 +189,9 @@ class DeviceSteps:
                                    shape.scalars[1], budget, out=tree, stream=stream)
             step_io.tree_inputs(tree.packed, shape.state["tokens"], shape.state["positions"], stream=stream)
             model.forward_on_device(shape.state, cache, shape.mask, shape.keys, stream)
-            top_ids = self._top(shape, stream)[0]
-            tree_accept.accept_trees(tree.parents[:, :nodes], tree.tokens[:, :nodes], top_ids.T[:1],
+            top_ids = self._top(shape, topk, stream)[0]
+            step_io.choice_column(top_ids, shape.choice, stream=stream)
+            tree_accept.accept_trees(tree.parents[:, :nodes], tree.tokens[:, :nodes], shape.choice,
                                      tree.num_nodes, nodes - 1, out=shape.accepted, stream=stream)
             tree_compact.compact_on_device([cache.kv], length, accepted, tau, stream=stream)
             step_io.gather_results(tree.packed, tree.num_nodes, top_ids, accepted, tau, bonus, shape.results,

@@ -3,6 +3,7 @@ the built tree, and the step's results gathered into one buffer so that the host
 
 - ``tree_inputs``: the first s nodes' tokens and positions (int32 rows of the build's packed output) widened to
   the int64 arrays the forward reads.
+- ``choice_column``: the target's choice per node (column 0 of the top-k ids) as the [1, s] row accept reads.
 - ``gather_results``: one request's tree rows, node count, the target's choice per node (column 0 of the
   top-k ids), the accepted path, tau and the bonus token into one int32 buffer laid out by ``ResultLayout``,
   the one definition of where each field sits (the host reads fields back through it).
@@ -67,6 +68,13 @@ def tree_inputs_kernel(packed, tokens, positions):
 
 
 @kernel_cache.jit
+def choice_column_kernel(top_ids, choice):
+    """choice int32 [1, s] = top_ids int32 [s, k] column 0. Grid (1,), IO_THREADS, grid-stride over nodes."""
+    for node in range(cuda.threadIdx.x, choice.shape[1], cuda.blockDim.x):
+        choice[0, node] = top_ids[node, 0]
+
+
+@kernel_cache.jit
 def gather_results_kernel(packed, num_nodes, top_ids, accepted, tau, bonus, out):
     """Request 0's results into out int32 [ResultLayout(s, width).size]: packed int32 [6, b, >= s], num_nodes
     int32 [b], top_ids int32 [s, k] (column 0 is the choice), accepted int32 [b, width], tau and bonus int32
@@ -101,6 +109,13 @@ def tree_inputs(packed, tokens, positions, stream=0) -> None:
     if len(packed.shape) != 3 or packed.shape[0] != TREE_ROWS or packed.shape[2] < s:
         raise ValueError(f"packed must be int32 [{TREE_ROWS}, b, >= {s}], got {tuple(packed.shape)}")
     tree_inputs_kernel[1, IO_THREADS, stream](packed, tokens, positions)
+
+
+def choice_column(top_ids, choice, stream=0) -> None:
+    """choice (device int32 [1, s]) = column 0 of top_ids (device int32 [s, k])."""
+    if tuple(choice.shape) != (1, top_ids.shape[0]) or choice.dtype != np.int32 or top_ids.dtype != np.int32:
+        raise ValueError(f"choice must be int32 [1, {top_ids.shape[0]}], got {choice.dtype} {tuple(choice.shape)}")
+    choice_column_kernel[1, IO_THREADS, stream](top_ids, choice)
 
 
 def gather_results(packed, num_nodes, top_ids, accepted, tau, bonus, out, stream=0) -> ResultLayout:

@@ -1,9 +1,10 @@
 """Whole steps on the device (engine/device/step.py) against the same stages run one by one.
 
-- a DDTree step queued as one launch sequence (build, verify, top-k, accept, compaction, length) gives the tree,
-  the target's choice, the accepted path, the bonus and the cache rows (every bit) that DeviceTreeOps and
-  DeviceModel.forward / compact give stage by stage, over several steps of a noisy drafter (so that paths off
-  the first-child chain, and with them real compaction moves, occur), and the device's length cell follows;
+- a DDTree step queued as one launch sequence (build, verify, top-k or the choice alone, accept, compaction,
+  length) gives the tree, the target's choice, the accepted path, the bonus and the cache rows (every bit) that
+  DeviceTreeOps and DeviceModel.forward / compact give stage by stage, over several steps of a noisy drafter (so
+  that paths off the first-child chain, and with them real compaction moves, occur), and the device's length
+  cell follows;
 - AR and DDTree decodes through generate: the same tokens and the same records field by field, and the device
   steps really ran;
 - the tree size the step is shaped for equals the reference build's on random drafts;
@@ -49,7 +50,8 @@ def prefilled(model, capacity: int):
 
 
 @pytest.mark.sim
-def test_ddtree_steps_equal_the_stages_one_by_one(model):
+@pytest.mark.parametrize("topk", [1, 8])
+def test_ddtree_steps_equal_the_stages_one_by_one(model, topk):
     cfg, budget, steps = model.cfg, 9, 5
     drafter = NoisyOracleDrafter(golden_continuation(model, 24), 0.5, 3, 3, budget, cfg.vocab_size)
     capacity = len(PROMPT) + 40
@@ -62,7 +64,7 @@ def test_ddtree_steps_equal_the_stages_one_by_one(model):
         prefix = fused_cache.length
         assert plain_cache.length == prefix
         ids, logprobs = drafter.draft(None, root, prefix)
-        device.ddtree(fused_cache, logprobs, ids, root, budget)
+        device.ddtree(fused_cache, logprobs, ids, root, budget, topk)
         tree, logits, choice, accepted, bonus = device.finish()
 
         want_tree = plain.build_tree(logprobs, ids, plain_root, budget, prefix)
@@ -147,11 +149,12 @@ def test_applies_only_where_it_can(model, device_backend):
 
 @pytest.mark.sim
 def test_refuses_a_tree_that_does_not_fit(model):
-    cache, root = prefilled(model, len(PROMPT) + 4)
-    ids = np.tile(np.arange(3, dtype=np.int32), (2, 1))
-    logprobs = np.log(np.full((2, 3), 1 / 3, np.float32))
+    cache, root = prefilled(model, len(PROMPT) + 4)  # at least that: maybe a released cache's larger arrays
+    room = cache.capacity - cache.length
+    ids = np.tile(np.arange(4, dtype=np.int32), (4, 1))  # 340 candidates
+    logprobs = np.log(np.full((4, 4), 1 / 4, np.float32))
     with pytest.raises(ValueError, match="does not fit"):
-        DeviceSteps(model).ddtree(cache, logprobs, ids, root, 6)
+        DeviceSteps(model).ddtree(cache, logprobs, ids, root, room)  # room + 1 nodes
 
 
 @pytest.mark.gpu
