@@ -138,7 +138,7 @@ smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycl
     ;;
 device-steps)
     step device-steps-tests 200 python3 -m pytest -q -m "sim or gpu" tests/engine/test_device_steps.py \
-        tests/kernels/test_attention_invariant.py tests/engine/test_device_tree_ops.py
+        tests/kernels/test_attention_invariant.py tests/engine/test_device_tree_ops.py tests/kernels/test_sampling_split.py
     step invariance-k2 90 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[True]"
     step bench-e2e 290 "${kdtree[@]}" bench e2e
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Error" "$log" | head -20

@@ -6,7 +6,7 @@ TorchOps (backend ``cuda``): dense products through cuBLAS (torch); Numba kernel
 Both: upload(a, bf16), dense_weight(w), linear(x [s, in], w [out, in]) -> [s, out], heads_matmul(x [s, h, a],
 w) -> [s, h, b], to_host(x); TorchOps also copy(x), device_view(t) and the graph machinery (segment_graphs).
 TorchOps' upload and dense_weight also take float32 torch tensors already on the GPU (weights drawn there).
-TorchOps(fixed_rows=R) runs every product over exactly R rows (zero-padded; more rows in chunks of R), so that
+TorchOps(fixed_rows=R) runs every product over exactly R rows (padded; more rows in chunks of R), so that
 cuBLAS, which picks its kernel (tiles, split-K) by shape, computes a row the same way whatever the number of
 rows in the call: the batch-invariant mode of the device model.
 """
@@ -119,10 +119,17 @@ class TorchOps:
         x = self._t(x)
         return x if w.dtype == self.torch.float32 else x.to(w.dtype)
 
-    def _product(self, op, a, b):
-        """a @ b (mm or bmm) with an fp32 result. bf16 operands write fp32 straight from the accumulator
-        (out_dtype): a bf16-rounded output would round differently for different row counts (cuBLAS picks
-        its kernel by shape), and a verify forward must agree with the AR forward at near-ties."""
+    def _product(self, op, a, b, out=None):
+        """a @ b (mm or bmm) with an fp32 result (into ``out`` when given: contiguous, fp32). bf16 operands write
+        fp32 straight from the accumulator (out_dtype): a bf16-rounded output would round differently for
+        different row counts (cuBLAS picks its kernel by shape), and a verify forward must agree with the AR
+        forward at near-ties."""
+        if out is not None:
+            try:
+                return op(a, b, out=out) if a.dtype == self.torch.float32 else op(a, b, out_dtype=self.torch.float32,
+                                                                                 out=out)
+            except (TypeError, NotImplementedError, RuntimeError):  # no out= with out_dtype here: the same bits
+                return out.copy_(self._product(op, a, b))          # through a copy
         if a.dtype == self.torch.float32:
             return op(a, b)
         try:
@@ -131,27 +138,34 @@ class TorchOps:
             return op(a, b).float()
 
     def _rows_fixed(self, op, a, b):
-        """op(a, b) over a's rows (dimension -2) in calls of exactly fixed_rows rows, the last zero-padded."""
+        """op(a, b) over a's rows (dimension -2) in calls of exactly fixed_rows rows, a cast to b's dtype. The
+        rows past a's in the last call are left as they are: a product's row depends on its own row alone, so
+        they need no zeros (a fill kernel each). mm writes each call's rows into one output (no concatenation);
+        bmm's calls are concatenated."""
         rows, fixed = a.shape[-2], self.fixed_rows
         if fixed is None or rows == fixed:
-            return self._product(op, a, b)
-        parts = []
-        for start in range(0, rows, fixed):
-            chunk = a[..., start:start + fixed, :]
-            if chunk.shape[-2] < fixed:
-                padded = a.new_zeros((*a.shape[:-2], fixed, a.shape[-1]))
-                padded[..., :chunk.shape[-2], :] = chunk
-                chunk = padded
-            parts.append(self._product(op, chunk, b))
-        out = parts[0] if len(parts) == 1 else self.torch.cat(parts, dim=-2)
+            return self._product(op, a.to(b.dtype), b)
+        calls = -(-rows // fixed)
+        padded = a.new_empty((*a.shape[:-2], calls * fixed, a.shape[-1]), dtype=b.dtype)
+        padded[..., :rows, :].copy_(a)  # the cast and the copy in one kernel
+        if op is self.torch.mm:
+            out = a.new_empty((calls * fixed, b.shape[-1]), dtype=self.torch.float32)
+            for start in range(0, calls * fixed, fixed):
+                self._product(op, padded[start:start + fixed], b, out=out[start:start + fixed])
+        else:
+            parts = [self._product(op, padded[..., start:start + fixed, :], b)
+                     for start in range(0, calls * fixed, fixed)]
+            out = parts[0] if calls == 1 else self.torch.cat(parts, dim=-2)
         return out[..., :rows, :]
 
     def linear(self, x, w):
-        out = self._rows_fixed(self.torch.mm, self._x(x, w), w.t())
+        x = self._t(x) if self.fixed_rows is not None else self._x(x, w)
+        out = self._rows_fixed(self.torch.mm, x, w.t())
         return self._numba(out.contiguous())
 
     def heads_matmul(self, x, w, transpose_w: bool):
-        xh = self._x(x, w).transpose(0, 1)  # [h, s, a]
+        x = self._t(x) if self.fixed_rows is not None else self._x(x, w)
+        xh = x.transpose(0, 1)  # [h, s, a]
         out = self._rows_fixed(self.torch.bmm, xh, w.transpose(1, 2) if transpose_w else w)  # [h, s, b]
         return self._numba(out.transpose(0, 1).contiguous())
 
