@@ -21,22 +21,14 @@ from kdspec.numba_kernels.launch import launch
 from kdspec.numba_kernels.reductions import block_sum
 from kdspec.numba_kernels.rmsnorm import inverse_rms
 from kdspec.numba_kernels.rope import RopeTable, check_positions, rotate_pair
-from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, row_blocks
+from kdspec.numba_kernels.runtime import ON_SIMULATOR, row_blocks, scalar_reader
 
 KV_THREADS = 4 if ON_SIMULATOR else 256  # power of two (block_sum)
 
 
 def _write_kernel(start_on_device: bool):
-    """The cache-write kernel for a launch-scalar cache_start, or for one read from an int32 [1] device array
-    (the helper is chosen here: each kernel is typed for one kind of argument)."""
-    if start_on_device:
-        @device_function(inline=True)
-        def first_row(start_arg):
-            return start_arg[0]
-    else:
-        @device_function(inline=True)
-        def first_row(start_arg):
-            return start_arg
+    """The cache-write kernel for a launch-scalar cache_start, or for one read from an int32 [1] device array."""
+    first_row = scalar_reader(start_on_device)
 
     @kernel_cache.jit
     def write_kv_rows_kernel(kv_a, kv_norm_weight, eps, cos_table, sin_table, positions, cache, layer, start_arg):

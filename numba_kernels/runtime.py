@@ -109,3 +109,18 @@ def row_blocks(rows: int) -> int:
     """Blocks to launch for a grid-stride loop over ``rows`` rows (kernels: ``for row in
     range(cuda.blockIdx.x, rows, cuda.gridDim.x)``, block-uniform so syncthreads stays legal)."""
     return max(1, min(rows, MAX_ROW_BLOCKS))
+
+
+def scalar_reader(on_device: bool):
+    """A device helper read(arg) -> the value of a kernel's scalar argument given either as the launch scalar
+    itself or, with ``on_device``, as an int32 [1] device array holding it (the cache length a captured CUDA
+    graph reads at every replay). Chosen when the kernel is built: a kernel is typed for one kind of argument."""
+    if on_device:
+        @device_function(inline=True)
+        def read(arg):
+            return arg[0]
+    else:
+        @device_function(inline=True)
+        def read(arg):
+            return arg
+    return read

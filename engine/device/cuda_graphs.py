@@ -11,7 +11,9 @@ segments that each run as one captured graph:
 
 The cache write and attention stay outside the graphs because they take the cache length as a launch
 scalar (and attention picks its grid from it); everything in a segment depends only on the token count s,
-so one capture per s serves every step of that shape.
+so one capture per s serves every step of that shape. A step on the device (engine/device/step.py) captures
+the whole forward instead: there the cache write and the batch-invariant attention read the length from the
+device.
 
 Graph capture needs every allocation to come from torch's graph pool and every launch to go to the
 capturing stream. ``TorchMemoryManager`` is a Numba EMM plugin that allocates from torch's caching

@@ -47,7 +47,7 @@ from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.launch import launch
 from kdspec.numba_kernels.reductions import FULL_MASK
 from kdspec.numba_kernels.runtime import (INLINE_DEVICE, ON_SIMULATOR, SHARED_LIMIT, device_function, row_blocks,
-                                          static_for)
+                                          scalar_reader, static_for)
 
 MAX_TOKENS = 32  # query tokens per call (one visibility word); more: simt.py / tc.py
 P_ALIGN = None if ON_SIMULATOR else 16  # p [KEYS, HEADS] in shared: 16-byte rows for load4
@@ -154,14 +154,7 @@ def decode_kernel(config: DecodeConfig = DEFAULT_CONFIG):
             return prefix_len + key_rows[token, key - prefix_len]
         return key
 
-    if config.prefix_on_device:  # chosen here, not in the kernel: each kernel is typed for one kind of argument
-        @device_function(inline=True)
-        def read_prefix(prefix_len):
-            return prefix_len[0]
-    else:
-        @device_function(inline=True)
-        def read_prefix(prefix_len):
-            return prefix_len
+    read_prefix = scalar_reader(config.prefix_on_device)
 
     @device_function(**INLINE_DEVICE)
     def halve_partials(step, args):
