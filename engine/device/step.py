@@ -26,10 +26,10 @@ from numba import cuda
 
 from kdspec.engine.device.logits import DeviceLogits
 from kdspec.engine.golden import ddtree as ddtree_ref
+from kdspec.numba_kernels import sampling
 from kdspec.numba_kernels.attention.common import causal_visibility
 from kdspec.numba_kernels.attention.invariant import VisibleKeys
 from kdspec.numba_kernels.host_arrays import download, upload
-from kdspec.numba_kernels import sampling
 from kdspec.numba_kernels.tree import accept as tree_accept
 from kdspec.numba_kernels.tree import build as tree_build
 from kdspec.numba_kernels.tree import compact as tree_compact
@@ -59,15 +59,14 @@ class _Shape:
         self.nodes, self.storage = nodes, cache.storage  # the graphs name these arrays: kept alive with them
         self.state = model.new_step_state(nodes)
         self.keys = VisibleKeys(cuda.device_array((nodes, nodes), np.int32), cuda.device_array(nodes, np.int32))
-        self.ids_host = cuda.pinned_array((2, nodes), np.int64)
         self.graph, self.runs = None, 0
-        if budget is None:  # AR: one causal row
+        if budget is None:  # AR: one causal row, its token and position uploaded by the host
+            self.ids_host = cuda.pinned_array((2, nodes), np.int64)
             self.mask = cuda.to_device(causal_visibility(nodes))
             self.one = cuda.to_device(np.ones(1, np.int32))
             self.choice_host = cuda.pinned_array((1, 1), np.int32)
             return
         depth, width = draft_shape
-        self.budget = budget
         self.draft = cuda.device_array((2, 1, depth, width), np.int32)  # log-prob bits, then ids: one upload
         self.draft_host = cuda.pinned_array((2, 1, depth, width), np.int32)
         self.scalars = cuda.device_array((2, 1), np.int32)               # root token, prefix length
