@@ -24,6 +24,17 @@ def is_device_array(array) -> bool:
     return hasattr(array, "copy_to_host") or hasattr(array, "__cuda_array_interface__")
 
 
+def is_device_scalar(value, name: str) -> bool:
+    """Whether a kernel's scalar argument ``value`` is given on the device, as an int32 [1] device array (the
+    cache length a captured CUDA graph reads at every replay: runtime.scalar_reader), rather than as a Python or
+    numpy integer. ValueError naming ``name`` for anything else."""
+    if isinstance(value, (int, np.integer)):
+        return False
+    if not is_device_array(value) or tuple(value.shape) != (1,) or value.dtype != np.int32:
+        raise ValueError(f"{name} must be an integer or an int32 [1] device array")
+    return True
+
+
 def check_array(array, name, shape, dtypes):
     """Raise a one-line ValueError unless ``array`` has ``shape`` (None = any size) and one of ``dtypes``."""
     dtype = np.dtype(array.dtype)

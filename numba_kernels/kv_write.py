@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda, float32
 
 from kdspec.numba_kernels import kernel_cache
-from kdspec.numba_kernels.host_arrays import as_device_array, is_device_array
+from kdspec.numba_kernels.host_arrays import as_device_array, is_device_array, is_device_scalar
 from kdspec.numba_kernels.launch import launch
 from kdspec.numba_kernels.reductions import block_sum
 from kdspec.numba_kernels.rmsnorm import inverse_rms
@@ -88,11 +88,8 @@ def write_kv_rows(cache, layer: int, cache_start, kv_a, kv_norm_weight, eps: flo
     tokens = kv_a.shape[0]
     if not 0 <= layer < layers:
         raise ValueError(f"layer {layer} outside 0..{layers - 1}")
-    on_device = not isinstance(cache_start, (int, np.integer))
-    if on_device:
-        if not is_device_array(cache_start) or tuple(cache_start.shape) != (1,) or cache_start.dtype != np.int32:
-            raise ValueError("a device cache_start must be an int32 [1] device array")
-    elif cache_start < 0 or cache_start + tokens > capacity:
+    on_device = is_device_scalar(cache_start, "cache_start")
+    if not on_device and (cache_start < 0 or cache_start + tokens > capacity):
         raise ValueError(f"rows {cache_start}..{cache_start + tokens - 1} do not fit the cache of {capacity} rows")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")

@@ -35,7 +35,7 @@ from numba import cuda, uint32
 from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.attention.common import checked_inputs
 from kdspec.numba_kernels.attention.decode import DEFAULT_CONFIG, DecodeConfig, launch_decode
-from kdspec.numba_kernels.host_arrays import as_device_array
+from kdspec.numba_kernels.host_arrays import as_device_array, is_device_scalar
 from kdspec.numba_kernels.launch import launch
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, row_blocks
 
@@ -98,9 +98,7 @@ def mla_attention_invariant(q_lat, q_pe, cache_layer, prefix_len, visibility, sc
     mla_attention.mla_attention, but prefix_len may be an int32 [1] device array (read by the kernel; the
     caller vouches that P + s rows fit the cache); ``keys``: the VisibleKeys of this visibility (visible_keys),
     computed here when None (a forward computes it once for all its layers)."""
-    on_device = not isinstance(prefix_len, (int, np.integer))
-    if on_device and (tuple(prefix_len.shape) != (1,) or prefix_len.dtype != np.int32):
-        raise ValueError(f"a device prefix_len must be int32 [1], got {prefix_len.dtype} {list(prefix_len.shape)}")
+    on_device = is_device_scalar(prefix_len, "prefix_len")
     q_lat, q_pe, cache_layer, visibility, out = checked_inputs(q_lat, q_pe, cache_layer, 0 if on_device else prefix_len,
                                                                visibility, out, stream, latent_limits=True,
                                                                contiguous_cache=True)
