@@ -22,12 +22,14 @@
 #     bash tools/gpu_session.sh device-steps  # whole steps on the device: their tests (tiny: captured graphs
 #                                          # against the stages one by one; k2-mini decodes), then bench e2e
 #     bash tools/gpu_session.sh steps-profile  # bench e2e, then GPU time per kernel of AR and oracle B=7 / 63 / 255
+#     bash tools/gpu_session.sh moe-graphs  # kdtree bench moe, then the tensor-core experts' launch shapes at K2's
+#                                          # 384 experts as graph replays (MOE_CONFIGS: which, e.g. t0,t8)
 #     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
 #                                          # budgets 8..256; or T and those budgets only)
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|steps-profile|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|steps-profile|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -146,9 +148,15 @@ device-steps)
     ;;
 steps-profile)
     step bench-e2e 290 "${kdtree[@]}" bench e2e
-    step profile-kernels 240 python3 -W ignore tools/step_profile.py --kernels --budgets 7,63,255 --top 16
+    step profile-kernels 240 python3 -W ignore tools/step_profile.py --kernels --budgets 7,63,255 --top "${TOP:-16}"
     grep -a -E "^e2e " "$log" | cut -c1-230
-    grep -a -E "^=====|ms/step" "$log" | cut -c1-150
+    grep -a -E "^=====|ms/step|GPU idle" "$log" | cut -c1-190
+    ;;
+moe-graphs)
+    step bench-moe 240 "${kdtree[@]}" bench moe
+    step tc-sweep-384 200 python3 -W ignore -m tools.sweeps.moe --tensor-cores --graphs --tokens 1,256 \
+        --only "${MOE_CONFIGS:-t0,t3,t4,t6,t7,t8,t9}"
+    grep -a -E "^moe |^ +t[0-9]+: |copy bandwidth|read-only" "$log" | cut -c1-230
     ;;
 invariance)
     step invariance-probe 200 python3 -W ignore tools/invariance_probe.py
@@ -163,7 +171,7 @@ print(runner.format_table(spec.run(temperatures=t, budgets=tuple(int(x) for x in
     tail -n 60 "$log"
     ;;
 *)
-    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, profile-step, profile-kernels, invariance, experts-tc, experts-tc-e2e, ncu-experts, spec)" >&2
+    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, device-steps, steps-profile, moe-graphs, profile-step, profile-kernels, invariance, experts-tc, experts-tc-e2e, ncu-experts, spec)" >&2
     exit 2
     ;;
 esac

@@ -101,9 +101,37 @@ def kernel_tables(runs: dict, top: int) -> None:
         total = sum(per_kernel.values())
         print(f"===== {name}: {result.steps} steps, tau {result.mean_tau:.2f}, GPU time {total / result.steps:.3f} "
               f"ms/step (kernels summed)")
+        print("  " + idle_split([event for event in profiler.events() if event.device_type == DeviceType.CUDA],
+                                result.steps))
         for key, ms in sorted(per_kernel.items(), key=lambda item: -item[1])[:top]:
             print(f"  {ms / result.steps:8.3f} ms/step {100 * ms / total:5.1f}% {calls[key] / result.steps:6.1f} "
                   f"calls/step  {key}")
+
+
+def idle_split(events, steps: int) -> str:
+    """Where the GPU sat idle between the first and the last of ``events`` (the profiler's CUDA events), per
+    step: after a device-to-host copy (the host's turn: reading the results, drafting, the next launch) and
+    everywhere else (gaps between the kernels of a step: inside a graph, or eager launches), the latter also
+    as its count of gaps and those of 10 us or more."""
+    spans = sorted((e.time_range.start, e.time_range.end, "DtoH" in e.name or "Device -> Pinned" in e.name
+                    or "DtoP" in e.name) for e in events)
+    after_read = elsewhere = 0.0
+    gaps = long_gaps = 0
+    reach, last_is_read = spans[0][1], spans[0][2]
+    for start, end, is_read in spans[1:]:
+        if start > reach:
+            gap = (start - reach) * 1e-3  # us -> ms
+            if last_is_read:
+                after_read += gap
+            else:
+                elsewhere += gap
+                gaps += 1
+                long_gaps += gap >= 0.01
+        if end >= reach:
+            reach, last_is_read = end, is_read
+    return (f"GPU idle per step: {after_read / steps:.3f} ms after a result read (the host's turn), "
+            f"{elsewhere / steps:.3f} ms between a step's kernels ({gaps / steps:.1f} gaps a step, "
+            f"{long_gaps / steps:.1f} of them >= 10 us)")
 
 
 if __name__ == "__main__":

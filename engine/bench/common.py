@@ -6,7 +6,8 @@ peer_value, oriented so that > 1 is better for us), target (a string such as ">=
 False against the target, None without one), note.
 
 Timing: GPU work is timed with CUDA events around ``repeats`` calls after ``warmup`` calls and reported as the
-median; under the CUDA simulator (no events there) with perf_counter. Ceilings: ``copy_bandwidth`` (a large
+median; under the CUDA simulator (no events there) with perf_counter. ``time_graph`` times a launch sequence
+captured as one CUDA graph, as the device model runs its kernels (GPU time, no Python launch time). Ceilings: ``copy_bandwidth`` (a large
 device-to-device copy, bytes read + written per second) and ``fma_peak`` (a Numba kernel of long independent
 fp32 FMA chains in registers, 2 FLOP per FMA).
 """
@@ -86,6 +87,36 @@ def time_gpu(fn: Callable[[], object], warmup: int = 2, repeats: int = 10) -> fl
         times.append(begin.elapsed_time(end) / 1e3)
     return statistics.median(times)
 
+
+
+def time_graph(torch, launch: Callable[[object], object], warmup: int = 3, repeats: int = 20) -> float:
+    """Median seconds of one replay of ``launch(stream)`` captured as a CUDA graph: the GPU time of a launch
+    sequence as the device model runs it (inside its step graphs), without Python's launch time. ``launch``
+    issues every kernel on the Numba stream it is given (torch's capture stream) and allocates through torch
+    (engine.device.cuda_graphs.use_torch_allocator); one eager call first compiles its kernels."""
+    from kdspec.engine.device import cuda_graphs
+    cuda_graphs.use_torch_allocator()
+    synchronize()  # work queued on other streams (inputs uploaded on Numba's default stream) is done first
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        launch(cuda.external_stream(side.cuda_stream))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(cuda.external_stream(torch.cuda.current_stream().cuda_stream))
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph
+    return statistics.median(times)
 
 # ------------------------------------------------------------------------------------------- ceilings
 FMA_CHAINS = 8          # independent accumulators per thread: hides the FMA latency

@@ -24,8 +24,9 @@ straight into registers, the best when the weights are the traffic (few pairs an
 (TiledConfig, tiled_kernels) stage a block's weight rows and its pass's tokens in shared memory by cp.async, so
 a block's warps share each load, and one warp walks all of K for its rows and tokens (many pairs an expert).
 tc_config_for picks by the mean number of pairs per active expert: FEW_PAIRS_CONFIG (streaming, one tile) up to
-FEW_PAIRS, MID_PAIRS_CONFIG (streaming, four tiles) up to MID_PAIRS, else MANY_PAIRS_CONFIG (staged) (figures:
-BENCHMARKS.md, "Tensor-core experts"; sweep: python3 -m tools.sweeps.moe --tensor-cores).
+FEW_PAIRS, MID_PAIRS_CONFIG (streaming, three tiles) up to MID_PAIRS, MORE_PAIRS_CONFIG (streaming, four tiles) up
+to MORE_PAIRS, else MANY_PAIRS_CONFIG (staged) (figures: BENCHMARKS.md; sweep: python3 -m tools.sweeps.moe
+--tensor-cores --graphs).
 
 Batch invariance: a pair's result depends only on its activation row, the weights and the fixed K order and
 split, not on which tile or lane it sits in nor on how many pairs the expert has (each output column of an mma
@@ -128,24 +129,30 @@ class TiledConfig:
 
 CONFIG_TYPES = (TcConfig, TiledConfig)
 
-# Launch shapes by the mean number of pairs an active expert gets (tc_config_for). Both kinds sum K in the same
+# Launch shapes by the mean number of pairs an active expert gets (tc_config_for). Every kind sums K in the same
 # K_SPLIT shares (fixing the bits: see the module docstring), so a token gets the same bits whichever runs it: the
 # choice may follow the token count without breaking batch invariance. The simulator runs every thread in
-# Python: few warps (the K split and its sum still run).
+# Python: few warps (the K split and its sum still run). On the GPU the streaming shapes take as many 8-token
+# tiles as a typical expert's pairs fill in one pass, and as many chunks a load step as the registers hold
+# (figures: BENCHMARKS.md, "Launch shapes by pairs an expert").
 K_SPLIT = 2 if ON_SIMULATOR else 4
-FEW_PAIRS_CONFIG = TcConfig(K_SPLIT, 1, 2)  # AR and small trees: weights streamed, two chunks a load step
-MID_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 4, 1)  # up to 32 tokens a pass, weights streamed
+FEW_PAIRS_CONFIG = TcConfig(K_SPLIT, 1, 2 if ON_SIMULATOR else 4)  # AR and small trees: one tile, 4 chunks a step
+MID_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 3, 1 if ON_SIMULATOR else 2)  # 24 tokens a pass
+MORE_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 4, 2)  # 32 tokens a pass
 MANY_PAIRS_CONFIG = TiledConfig(1, 2, 1, 2) if ON_SIMULATOR else TiledConfig(2, 4, 3, 10)  # staged, 96 a pass
-FEW_PAIRS = 6   # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
-MID_PAIRS = 32  # ... and MID_PAIRS_CONFIG (k2-mini at s = 64: 16; at s = 256: 64)
+FEW_PAIRS = 6    # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
+MID_PAIRS = 20   # ... MID_PAIRS_CONFIG (k2-mini at s = 64: 16)
+MORE_PAIRS = 40  # ... MORE_PAIRS_CONFIG (k2-mini at s = 128: 32), else MANY_PAIRS_CONFIG (s = 256: 64)
 
 
 def tc_config_for(n_pairs: int, n_experts: int) -> TcConfig | TiledConfig:
     """The launch shape for n_pairs (token, expert) pairs over n_experts experts."""
     mean_pairs = n_pairs / max(1, min(n_experts, n_pairs))
-    if mean_pairs <= FEW_PAIRS:
-        return FEW_PAIRS_CONFIG
-    return MID_PAIRS_CONFIG if mean_pairs <= MID_PAIRS else MANY_PAIRS_CONFIG
+    for most, config in ((FEW_PAIRS, FEW_PAIRS_CONFIG), (MID_PAIRS, MID_PAIRS_CONFIG),
+                         (MORE_PAIRS, MORE_PAIRS_CONFIG)):
+        if mean_pairs <= most:
+            return config
+    return MANY_PAIRS_CONFIG
 
 
 @device_function(**INLINE_DEVICE)

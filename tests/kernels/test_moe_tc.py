@@ -12,8 +12,8 @@ from numba import cuda
 
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.numba_kernels.moe.experts import moe_experts
-from kdspec.numba_kernels.moe.experts_tc import (FEW_PAIRS_CONFIG, K_SPLIT, MANY_PAIRS_CONFIG, MID_PAIRS_CONFIG, TcConfig,
-                                                 TiledConfig, supports, tc_config_for)
+from kdspec.numba_kernels.moe.experts_tc import (FEW_PAIRS_CONFIG, K_SPLIT, MANY_PAIRS_CONFIG, MID_PAIRS_CONFIG,
+                                                 MORE_PAIRS_CONFIG, TcConfig, TiledConfig, supports, tc_config_for)
 
 from kernel_checks import assert_close, poisoned
 
@@ -72,7 +72,7 @@ def test_tensor_core_experts_match_the_bf16_reference_and_are_batch_invariant(d)
     x, ids, weights, gate_up, down = random_case(rng, s, d, 32, 5, 2, one_expert_for_all=True)
     # all tokens run MANY_PAIRS_CONFIG, each token alone FEW_PAIRS_CONFIG: the bits must not depend on it
     assert tc_config_for(2, 5) == FEW_PAIRS_CONFIG and tc_config_for(5 * 20, 5) == MID_PAIRS_CONFIG
-    assert tc_config_for(5 * 40, 5) == MANY_PAIRS_CONFIG
+    assert tc_config_for(5 * 40, 5) == MORE_PAIRS_CONFIG and tc_config_for(5 * 41, 5) == MANY_PAIRS_CONFIG
     together = run(x, ids, weights, gate_up, down, MANY_PAIRS_CONFIG)
     tokens = [0, 1, s // 2, s - 1]
     assert_close(together[tokens], reference(x, ids, weights, gate_up, down, tokens), 1e-5)  # seen: 1e-7
@@ -80,7 +80,8 @@ def test_tensor_core_experts_match_the_bf16_reference_and_are_batch_invariant(d)
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("config", [TcConfig(K_SPLIT, 2, 1), TiledConfig(2, 1, 2, 3)], ids=str)
+@pytest.mark.parametrize("config", [TcConfig(K_SPLIT, 2, 1), TcConfig(K_SPLIT, 3, 2), TcConfig(K_SPLIT, 1, 4),
+                                    TiledConfig(2, 1, 2, 3)], ids=str)
 def test_every_launch_shape_gives_the_few_pairs_bits(config):
     """Streaming with two tiles a pass, and staged with two warp rows (d = 96: the last down block half past d)
     and three stages: the same bits as FEW_PAIRS_CONFIG for every token. down's K (f = 160: 5 chunks, a padded
@@ -119,7 +120,7 @@ def test_tensor_core_experts_reject_what_they_cannot_run():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("s", [1, 8, 256])
+@pytest.mark.parametrize("s", [1, 8, 32, 256])  # every expert gets s pairs: each launch shape of tc_config_for
 def test_k2_dims_tensor_core_experts(s):
     rng = np.random.default_rng(s)
     x, ids, weights, gate_up, down = random_case(rng, s, 7168, 2048, 8, 8 if s > 1 else 4)

@@ -6,7 +6,8 @@
         verify of 8 tokens already gives each active expert ~3.4 tokens; --only c0,c9: a subset of configs)
     python3 -m tools.sweeps.moe --tensor-cores   (the bf16 tensor-core kernels, experts_tc.py: every TcConfig
         of TC_CONFIGS, named t0, t1, ..., beside the SIMT default; checked to TC_RTOL, since they round x and
-        act to bf16 where the reference does not)
+        act to bf16 where the reference does not; --graphs: each call timed as a CUDA graph replay, as the
+        device model runs it, without Python's launch time)
 
 Kimi K2 sizes: E=384 experts, top-8, d=7168, f=2048, bf16 weights (bits in int16).
 1. correctness: moe_experts with no config (default_config) and with every swept config against a float64
@@ -30,7 +31,7 @@ if "--sim" in sys.argv[1:]:  # before numba is imported: the simulator is chosen
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from kdspec.engine.bench.common import ceilings, time_gpu  # noqa: E402
+from kdspec.engine.bench.common import ceilings, time_gpu, time_graph  # noqa: E402
 from kdspec.numba_kernels.moe import experts as moe  # noqa: E402
 from kdspec.numba_kernels.moe import experts_tc  # noqa: E402
 from kdspec.numba_kernels.runtime import ON_SIMULATOR
@@ -85,12 +86,16 @@ def _option(name: str, default):
 
 
 T, TILED = experts_tc.TcConfig, experts_tc.TiledConfig
-TC_CONFIGS = [experts_tc.FEW_PAIRS_CONFIG, experts_tc.MID_PAIRS_CONFIG, experts_tc.MANY_PAIRS_CONFIG] + ([] if ON_SIMULATOR else [
-    T(4, 1, 1), T(4, 2, 1), T(4, 4, 1), T(8, 1, 2),  # streaming: (k_split, n_tiles, chunks_per_step, register cap)
+TC_CONFIGS = [experts_tc.FEW_PAIRS_CONFIG, experts_tc.MID_PAIRS_CONFIG, experts_tc.MORE_PAIRS_CONFIG,
+              experts_tc.MANY_PAIRS_CONFIG] + ([] if ON_SIMULATOR else [
+    # streaming: (k_split, n_tiles, chunks_per_step, register cap)
+    T(4, 1, 1), T(4, 2, 1), T(4, 4, 1), T(8, 1, 2), T(4, 1, 3), T(4, 1, 4), T(4, 2, 2), T(4, 2, 2, 96),
+    T(4, 2, 3), T(4, 3, 2), T(4, 4, 2), T(4, 2, 4), T(4, 3, 3), T(4, 4, 3),
     TILED(2, 4, 2, 12), TILED(2, 4, 2, 12, 80), TILED(2, 4, 4, 8), TILED(4, 2, 4, 8),
     TILED(4, 2, 1, 8), TILED(2, 4, 1, 8), TILED(2, 2, 1, 12), TILED(2, 2, 2, 12), TILED(2, 4, 3, 10)])
 # staged: (warps_m, warps_n, tiles, stages, register cap)
 TENSOR_CORES = "--tensor-cores" in sys.argv[1:]
+GRAPHS = "--graphs" in sys.argv[1:] and not ON_SIMULATOR  # time each call as a CUDA graph replay
 if TENSOR_CORES:
     CONFIGS = list(dict.fromkeys(TC_CONFIGS))
     if ON_SIMULATOR:
@@ -106,9 +111,7 @@ EXPERT_BYTES = 3 * D * F * 2  # one expert's bf16 gate, up and down
 
 def config_name(index: int) -> str:
     if TENSOR_CORES:
-        return f"t{index}" + ("*" if CONFIGS[index] in (experts_tc.FEW_PAIRS_CONFIG, experts_tc.MID_PAIRS_CONFIG,
-                                                                 experts_tc.MANY_PAIRS_CONFIG)
-                              else "")
+        return f"t{index}" + ("*" if CONFIGS[index] in TC_CONFIGS[:4] else "")  # the four tc_config_for picks
     return f"c{index}" + ("*" if CONFIGS[index] == moe.DEFAULT_CONFIG else "")
 
 
@@ -236,7 +239,13 @@ def main() -> int:
             failures += not ok
             if not ok:
                 continue  # a wrong config's speed means nothing
-            seconds = time_gpu(lambda: call(out), WARMUP, REPEATS)
+            if GRAPHS:
+                import torch
+                seconds = time_graph(torch, lambda stream: moe.moe_experts(
+                    x, ids, weights, w_gate_up, w_down, out=out, config=config, tensor_cores=tensor_cores,
+                    stream=stream))
+            else:
+                seconds = time_gpu(lambda: call(out), WARMUP, REPEATS)
             achieved = distinct * EXPERT_BYTES / seconds
             table.append((s, name, seconds, achieved, ok))
             log(f"  {name}: {seconds * 1e3:.3f} ms {achieved / 1e9:.0f} GB/s {100 * achieved / copy_bw:.1f}%")
