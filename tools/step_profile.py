@@ -57,7 +57,7 @@ def main() -> None:
         runs[f"DDTree oracle B={budget}"] = (lambda c=config, d=drafter: generate(model, prompt, c, d, tree_ops=ops))
     for decode in runs.values():   # compile every kernel of every run before profiling
         decode()
-    if args.kernels:
+    if args.kernels:  # each run warmed up again right before its profile: the captured graphs are its own
         kernel_tables(runs, args.top)
         return
     summary = []
@@ -89,6 +89,7 @@ def kernel_tables(runs: dict, top: int) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     for name, decode in runs.items():
+        decode()  # a decode over another run's cache arrays drops the step graphs: capture this run's again
         with profile(activities=[ProfilerActivity.CUDA]) as profiler:
             result = decode()
         per_kernel = defaultdict(float)
@@ -101,8 +102,10 @@ def kernel_tables(runs: dict, top: int) -> None:
         total = sum(per_kernel.values())
         print(f"===== {name}: {result.steps} steps, tau {result.mean_tau:.2f}, GPU time {total / result.steps:.3f} "
               f"ms/step (kernels summed)")
-        print("  " + idle_split([event for event in profiler.events() if event.device_type == DeviceType.CUDA],
-                                result.steps))
+        gpu_events = [event for event in profiler.events() if event.device_type == DeviceType.CUDA]
+        print("  " + idle_split(gpu_events, result.steps))
+        for (before, after), (ms, count) in largest_gaps(gpu_events, result.steps, 8):
+            print(f"    gap {ms:7.3f} ms/step {count:5.1f}/step  {before[:60]} -> {after[:60]}")
         for key, ms in sorted(per_kernel.items(), key=lambda item: -item[1])[:top]:
             print(f"  {ms / result.steps:8.3f} ms/step {100 * ms / total:5.1f}% {calls[key] / result.steps:6.1f} "
                   f"calls/step  {key}")
@@ -132,6 +135,24 @@ def idle_split(events, steps: int) -> str:
     return (f"GPU idle per step: {after_read / steps:.3f} ms after a result read (the host's turn), "
             f"{elsewhere / steps:.3f} ms between a step's kernels ({gaps / steps:.1f} gaps a step, "
             f"{long_gaps / steps:.1f} of them >= 10 us)")
+
+
+def largest_gaps(events, steps: int, top: int) -> list:
+    """The ``top`` kernel pairs (name before, name after) with the most GPU idle time between them, per step:
+    [((before, after), (ms per step, gaps per step))]."""
+    from collections import defaultdict
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    idle = defaultdict(lambda: [0.0, 0])
+    reach, last = spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > reach:
+            entry = idle[(last, name)]
+            entry[0] += (start - reach) * 1e-3
+            entry[1] += 1
+        if end >= reach:
+            reach, last = end, name
+    ranked = sorted(idle.items(), key=lambda item: -item[1][0])[:top]
+    return [(pair, (ms / steps, count / steps)) for pair, (ms, count) in ranked]
 
 
 if __name__ == "__main__":
