@@ -89,11 +89,14 @@ def time_gpu(fn: Callable[[], object], warmup: int = 2, repeats: int = 10) -> fl
 
 
 
-def time_graph(torch, launch: Callable[[object], object], warmup: int = 3, repeats: int = 20) -> float:
+def time_graph(torch, launch: Callable[[object], object], warmup: int = 3, repeats: int = 20,
+               after_capture: Optional[Callable[[], object]] = None) -> float:
     """Median seconds of one replay of ``launch(stream)`` captured as a CUDA graph: the GPU time of a launch
     sequence as the device model runs it (inside its step graphs), without Python's launch time. ``launch``
     issues every kernel on the Numba stream it is given (torch's capture stream) and allocates through torch
-    (engine.device.cuda_graphs.use_torch_allocator); one eager call first compiles its kernels."""
+    (engine.device.cuda_graphs.use_torch_allocator); one eager call first compiles its kernels.
+    ``after_capture`` runs between the capture and the first replay (poison an output there: only the
+    replays can then have written it)."""
     from kdspec.engine.device import cuda_graphs
     cuda_graphs.use_torch_allocator()
     synchronize()  # work queued on other streams (inputs uploaded on Numba's default stream) is done first
@@ -104,6 +107,9 @@ def time_graph(torch, launch: Callable[[object], object], warmup: int = 3, repea
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launch(cuda.external_stream(torch.cuda.current_stream().cuda_stream))
+    if after_capture is not None:
+        after_capture()
+        synchronize()
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
