@@ -70,16 +70,19 @@ def _check_copy(host, device, what):
                          f"must match (C-contiguous)")
 
 
-def upload(device, host) -> None:
-    """device[...] = host: one raw copy on the default stream, the same as ``device.copy_to_device(host)`` but
-    without numba's per-call contiguity checks, which walk an array numba flags non-contiguous element by
-    element (milliseconds per DDTree step for a [1, 7, 255] draft). device: a C-contiguous numba device array."""
+def upload(device, host, stream=0) -> None:
+    """device[...] = host: one raw copy, the same as ``device.copy_to_device(host)`` but without numba's per-call
+    contiguity checks, which walk an array numba flags non-contiguous element by element (milliseconds per
+    DDTree step for a [1, 7, 255] draft). device: a C-contiguous numba device array. With a ``stream`` the copy
+    is queued on it (``host`` must then be pinned and left alone until the copy has run; inside a CUDA graph
+    capture it becomes the graph's copy of whatever ``host`` holds at each replay); without, it is done on
+    return."""
     _check_copy(host, device, "upload")
     if ON_SIMULATOR:
         device.copy_to_device(host)
         return
     from numba.cuda.cudadrv import driver
-    driver.host_to_device(device, host, host.nbytes)
+    driver.host_to_device(device, host, host.nbytes, stream=stream)
 
 
 def download(host, device) -> None:

@@ -7,12 +7,14 @@ A DDTree step queued by ``ddtree`` is, with no host read in between:
     target's greedy choice is its column 0) -> accept -> compaction, skipping rows in place, and the length
     advanced by tau -> the results gathered into one buffer
 
-and ``finish`` reads that buffer in one copy. An AR step is the forward of the one token the host uploads,
-its top-k and the length advanced by one. On cuda the second step of a shape (budget and node count; the
-cache's arrays) is captured and every later one replays the graph: one launch a step. The first step of a
-shape runs the same launches eagerly (it compiles every kernel and warms cuBLAS); under the simulator every
-step does. The results are the ones the step-by-step path (DeviceTreeOps and DeviceModel.forward) computes,
-bit for bit: the same kernels on the same inputs (tests/engine/test_device_steps.py).
+and ``finish`` reads that buffer in one copy. An AR step is the forward of the one token the host uploads, its
+top-k and the length advanced by one. On cuda the second step of a shape (budget and node count; the cache's
+arrays) is captured and every later one replays the graph: one launch a step. The uploads are the graph's first
+nodes, copies of the pinned buffers the host fills before each replay, so a step costs the host one graph launch
+and one read. The first step of a shape runs the same launches eagerly (it compiles every kernel and warms
+cuBLAS); under the simulator every step does. The results are the ones the step-by-step path (DeviceTreeOps
+and DeviceModel.forward) computes, bit for bit: the same kernels on the same inputs
+(tests/engine/test_device_steps.py).
 
 What it needs (``DeviceSteps.supports``): the batch-invariant device model (its attention reads the prefix
 length on the device), no kept hidden states (a block drafter's), greedy choice (T = 0).
@@ -141,10 +143,10 @@ class DeviceSteps:
             raise ValueError(f"one new row after {prefix} exceeds the cache capacity {cache.capacity}")
         shape = self._shape(cache, ("ar", topk), lambda: _Shape(model, cache, 1, None, None))
         shape.ids_host[:, 0] = (root, prefix)
-        upload(shape.state["ids"], shape.ids_host)
         length = cache.device_length()
 
         def body(stream):
+            upload(shape.state["ids"], shape.ids_host, stream)  # in the graph: its first node reads ids_host
             model.forward_on_device(shape.state, cache, shape.mask, shape.keys, stream)
             self._top(shape, topk, stream)
             tree_compact.advance_lengths_kernel[1, 1, stream](length, shape.one)
@@ -178,12 +180,12 @@ class DeviceSteps:
         shape.draft_host[0, 0] = draft_logprobs.view(np.int32)
         shape.draft_host[1, 0] = draft_ids
         shape.scalars_host[:, 0] = (root, prefix)
-        upload(shape.draft, shape.draft_host)
-        upload(shape.scalars, shape.scalars_host)
         length = cache.device_length()
         tree, (accepted, tau, bonus) = shape.tree, shape.accepted
 
         def body(stream):
+            upload(shape.draft, shape.draft_host, stream)  # in the graph: copies of the pinned buffers as they
+            upload(shape.scalars, shape.scalars_host, stream)  # are at each replay, no driver call of their own
             tree_build.build_trees(shape.draft[0].view(np.float32), shape.draft[1], shape.scalars[0],
                                    shape.scalars[1], budget, out=tree, stream=stream)
             step_io.tree_inputs(tree.packed, shape.state["tokens"], shape.state["positions"], stream=stream)

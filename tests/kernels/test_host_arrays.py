@@ -27,3 +27,16 @@ def test_a_host_array_that_does_not_match_is_refused(host):
         upload(device, host)
     with pytest.raises(ValueError, match="download: host"):
         download(host, device)
+
+
+def test_an_upload_queued_on_a_stream_arrives():
+    """With a stream the copy is queued there (the step graphs capture it): after the stream, the device holds it."""
+    stream = cuda.stream()
+    host = cuda.pinned_array(6, np.int32)
+    host[:] = np.arange(6, dtype=np.int32) * 7 - 3
+    device = cuda.to_device(np.full(6, -1, np.int32))
+    upload(device, host, stream)
+    stream.synchronize()
+    back = np.zeros(6, np.int32)
+    download(back, device)
+    assert np.array_equal(back, host)
