@@ -111,27 +111,35 @@ def kernel_tables(runs: dict, top: int) -> None:
                   f"calls/step  {key}")
 
 
+def idle_gaps(events):
+    """The GPU's idle intervals between the first and the last of ``events`` (the profiler's CUDA events), in
+    time order: (milliseconds, name of the event whose end began it, name of the event that ended it)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    reach, last = spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > reach:
+            yield (start - reach) * 1e-3, last, name  # us -> ms
+        if end >= reach:
+            reach, last = end, name
+
+
+def _is_result_read(name: str) -> bool:
+    return "DtoH" in name or "Device -> Pinned" in name or "DtoP" in name
+
+
 def idle_split(events, steps: int) -> str:
-    """Where the GPU sat idle between the first and the last of ``events`` (the profiler's CUDA events), per
-    step: after a device-to-host copy (the host's turn: reading the results, drafting, the next launch) and
-    everywhere else (gaps between the kernels of a step: inside a graph, or eager launches), the latter also
-    as its count of gaps and those of 10 us or more."""
-    spans = sorted((e.time_range.start, e.time_range.end, "DtoH" in e.name or "Device -> Pinned" in e.name
-                    or "DtoP" in e.name) for e in events)
+    """Where the GPU sat idle, per step: after a device-to-host copy (the host's turn: reading the results,
+    drafting, the next launch) and everywhere else (gaps between the kernels of a step: inside a graph, or eager
+    launches), the latter also as its count of gaps and those of 10 us or more."""
     after_read = elsewhere = 0.0
     gaps = long_gaps = 0
-    reach, last_is_read = spans[0][1], spans[0][2]
-    for start, end, is_read in spans[1:]:
-        if start > reach:
-            gap = (start - reach) * 1e-3  # us -> ms
-            if last_is_read:
-                after_read += gap
-            else:
-                elsewhere += gap
-                gaps += 1
-                long_gaps += gap >= 0.01
-        if end >= reach:
-            reach, last_is_read = end, is_read
+    for gap, before, _ in idle_gaps(events):
+        if _is_result_read(before):
+            after_read += gap
+        else:
+            elsewhere += gap
+            gaps += 1
+            long_gaps += gap >= 0.01
     return (f"GPU idle per step: {after_read / steps:.3f} ms after a result read (the host's turn), "
             f"{elsewhere / steps:.3f} ms between a step's kernels ({gaps / steps:.1f} gaps a step, "
             f"{long_gaps / steps:.1f} of them >= 10 us)")
@@ -141,16 +149,11 @@ def largest_gaps(events, steps: int, top: int) -> list:
     """The ``top`` kernel pairs (name before, name after) with the most GPU idle time between them, per step:
     [((before, after), (ms per step, gaps per step))]."""
     from collections import defaultdict
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
     idle = defaultdict(lambda: [0.0, 0])
-    reach, last = spans[0][1], spans[0][2]
-    for start, end, name in spans[1:]:
-        if start > reach:
-            entry = idle[(last, name)]
-            entry[0] += (start - reach) * 1e-3
-            entry[1] += 1
-        if end >= reach:
-            reach, last = end, name
+    for gap, before, after in idle_gaps(events):
+        entry = idle[(before, after)]
+        entry[0] += gap
+        entry[1] += 1
     ranked = sorted(idle.items(), key=lambda item: -item[1][0])[:top]
     return [(pair, (ms / steps, count / steps)) for pair, (ms, count) in ranked]
 
