@@ -8,16 +8,57 @@
 - attention: each token of a 64-token causal launch (tensor-core path) against the same token alone (decode
   path, s = 1) over the same keys.
 
-    python3 -W ignore tools/invariance_probe.py
+    python3 -W ignore tools/invariance_probe.py [--every-m]
 
-Run on the GPU machine. Prints "rows differing / rows compared" per product and method.
+Run on the GPU machine. Prints "rows differing / rows compared" per product and method. With ``--every-m``:
+per dense product, unpadded, the row counts M in 1..512 at which some row of x[:M] @ w differs from the same
+row of x[:512] @ w (a product with none needs no fixed row count).
 """
 from __future__ import annotations
 
 import numpy as np
 
 
+def every_row_count(max_rows: int = 512) -> None:
+    """For each dense product of k2-mini: the M in 1..max_rows whose rows differ from the same rows at max_rows."""
+    import torch
+
+    from kdspec.engine.model.config import PRESETS
+    cfg = PRESETS["k2-mini"]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for name, (k, n) in dense_shapes(cfg).items():
+        w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+        x = torch.randn(max_rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+        full = torch.mm(x, w.t(), out_dtype=torch.float32)
+        differing = [m for m in range(1, max_rows + 1)
+                     if not torch.equal(torch.mm(x[:m], w.t(), out_dtype=torch.float32), full[:m])]
+        spans, start = [], None
+        for m in range(1, max_rows + 2):
+            if m in differing and start is None:
+                start = m
+            elif m not in differing and start is not None:
+                spans.append(f"{start}" if m - 1 == start else f"{start}-{m - 1}")
+                start = None
+        print(f"{name:16s} [{k} -> {n}]: {len(differing):3d} of {max_rows} row counts differ from M={max_rows}"
+              + (f": {', '.join(spans)}" if spans else ""))
+        del w, x, full
+
+
+def dense_shapes(cfg) -> dict:
+    """name -> (in, out) of every dense product of a layer stack like ``cfg``'s."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    return {"q_a": (d, cfg.q_lora_rank), "q_b": (cfg.q_lora_rank, h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)),
+            "kv_a": (d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), "o_proj": (h * cfg.v_head_dim, d),
+            "dense gate_up": (d, 2 * cfg.intermediate_size), "dense down": (cfg.intermediate_size, d),
+            "shared gate_up": (d, 2 * cfg.moe_intermediate_size), "shared down": (cfg.moe_intermediate_size, d),
+            "router": (d, cfg.n_routed_experts), "lm_head": (d, cfg.vocab_size)}
+
+
 def main() -> None:
+    import sys
+    if "--every-m" in sys.argv[1:]:
+        every_row_count()
+        return
     import torch
     from numba import cuda
 
@@ -32,11 +73,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
     d, h = cfg.hidden_size, cfg.num_attention_heads
-    dense = {"q_a": (d, cfg.q_lora_rank), "q_b": (cfg.q_lora_rank, h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)),
-             "kv_a": (d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), "o_proj": (h * cfg.v_head_dim, d),
-             "dense gate_up": (d, 2 * cfg.intermediate_size), "dense down": (cfg.intermediate_size, d),
-             "shared gate_up": (d, 2 * cfg.moe_intermediate_size), "shared down": (cfg.moe_intermediate_size, d),
-             "router": (d, cfg.n_routed_experts), "lm_head": (d, cfg.vocab_size)}
+    dense = dense_shapes(cfg)
     rows = 256
     probe_rows = [0, 1, 7, 17, 64, 130, 255]
     lines = []

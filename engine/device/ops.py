@@ -8,7 +8,10 @@ w) -> [s, h, b], to_host(x); TorchOps also copy(x), device_view(t) and the graph
 TorchOps' upload and dense_weight also take float32 torch tensors already on the GPU (weights drawn there).
 TorchOps(fixed_rows=R) runs every product over exactly R rows (padded; more rows in chunks of R), so that
 cuBLAS, which picks its kernel (tiles, split-K) by shape, computes a row the same way whatever the number of
-rows in the call: the batch-invariant mode of the device model.
+rows in the call: the batch-invariant mode of the device model. A linear weight whose product cuBLAS computes
+row-invariantly anyway (checked when the weight is made: ``row_invariant``) skips the padding and runs in
+calls of up to CHECKED_ROWS rows, the rows it has: an AR step's lm_head reads its weight at one row's cost and
+a 256-node verify reads it once, not twice.
 """
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ import numpy as np
 from numba import cuda
 
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
+
+# Row counts up to which a linear weight's product is checked row-invariant (every count 1..CHECKED_ROWS): a
+# DDTree verify at budget 255 is 256 rows.
+CHECKED_ROWS = 256
 
 
 class SimOps:
@@ -80,6 +87,8 @@ class TorchOps:
         if fixed_rows is not None and fixed_rows < 1:
             raise ValueError(f"fixed_rows must be >= 1, got {fixed_rows}")
         self.fixed_rows = fixed_rows
+        self._invariant_shapes: dict = {}  # (out, in) -> whether cuBLAS's product gives a row the same bits at
+        #                                    every row count (fixed_rows only; row_invariant)
         from kdspec.engine.device import cuda_graphs  # GPU only (the simulator has no memory-manager plugins)
         cuda_graphs.use_torch_allocator()  # graph capture needs it; eager launches allocate faster too
         self.segment_graphs = cuda_graphs.SegmentGraphs
@@ -101,8 +110,33 @@ class TorchOps:
 
     def dense_weight(self, w):
         if isinstance(w, self.torch.Tensor):
-            return w.to("cuda", self.weight_dtype).contiguous()
-        return self.torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to("cuda", self.weight_dtype)
+            w = w.to("cuda", self.weight_dtype).contiguous()
+        else:
+            w = self.torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to("cuda", self.weight_dtype)
+        if self.fixed_rows is not None and w.dim() == 2:
+            self.row_invariant(w)
+        return w
+
+    def row_invariant(self, w) -> bool:
+        """Whether cuBLAS's product x @ w.T gives every row the same bits at every row count 1..CHECKED_ROWS and
+        at every place in the call, checked once per weight shape on a random weight and random rows (x[:M]
+        against the first M rows of the CHECKED_ROWS-row product, x[-M:] against its last M, for every M; random,
+        so that no two summation orders agree by luck, as they would on a zero weight): cuBLAS picks its kernel
+        by shape, and for some shapes every kernel it picks sums a row's products in one order (lm_head;
+        tools/invariance_probe.py --every-m). Such a weight's products skip fixed_rows' padding."""
+        key = tuple(w.shape)
+        if key not in self._invariant_shapes:
+            torch = self.torch
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(CHECKED_ROWS, w.shape[1], device="cuda", generator=gen, dtype=w.dtype)
+            probe = torch.randn(w.shape, device="cuda", generator=gen, dtype=w.dtype)
+            bits = lambda rows: self._product(torch.mm, rows, probe.t()).view(torch.int32)  # noqa: E731
+            full = bits(x)
+            same = torch.ones((), dtype=torch.bool, device="cuda")
+            for rows in range(1, CHECKED_ROWS):
+                same &= (bits(x[:rows]) == full[:rows]).all() & (bits(x[-rows:]) == full[-rows:]).all()
+            self._invariant_shapes[key] = bool(same)  # one read back for all of them
+        return self._invariant_shapes[key]
 
     def _t(self, x):
         return self.torch.as_tensor(_Unsynced(x), device="cuda")
@@ -141,10 +175,19 @@ class TorchOps:
         """op(a, b) over a's rows (dimension -2) in calls of exactly fixed_rows rows, a cast to b's dtype. The
         rows past a's in the last call are left as they are: a product's row depends on its own row alone, so
         they need no zeros (a fill kernel each). mm writes each call's rows into one output (no concatenation);
-        bmm's calls are concatenated."""
+        bmm's calls are concatenated. A row-invariant weight's mm (b = w.T) runs over a's rows as they are, in
+        calls of up to CHECKED_ROWS."""
         rows, fixed = a.shape[-2], self.fixed_rows
         if fixed is None or rows == fixed:
             return self._product(op, a.to(b.dtype), b)
+        if op is self.torch.mm and self._invariant_shapes.get((b.shape[1], b.shape[0])):
+            a = a.to(b.dtype)
+            if rows <= CHECKED_ROWS:
+                return self._product(op, a, b)
+            out = a.new_empty((rows, b.shape[1]), dtype=self.torch.float32)
+            for start in range(0, rows, CHECKED_ROWS):
+                self._product(op, a[start:start + CHECKED_ROWS], b, out=out[start:start + CHECKED_ROWS])
+            return out
         calls = -(-rows // fixed)
         padded = a.new_empty((*a.shape[:-2], calls * fixed, a.shape[-1]), dtype=b.dtype)
         padded[..., :rows, :].copy_(a)  # the cast and the copy in one kernel
