@@ -16,6 +16,10 @@ cuBLAS); under the simulator every step does. The results are the ones the step-
 and DeviceModel.forward) computes, bit for bit: the same kernels on the same inputs
 (tests/engine/test_device_steps.py).
 
+With ``stamps`` set (numba_kernels/clock.py), each step's launches begin and end with a stamp of the GPU's clock:
+a benchmark reads the GPU's busy time per step from them, in the same run as the wall time (the graphs of such
+steps are their own shapes).
+
 What it needs (``DeviceSteps.supports``): the batch-invariant device model (its attention reads the prefix
 length on the device), no kept hidden states (a block drafter's), greedy choice (T = 0).
 The logits and top-k a step returns live in the graph's buffers: valid until the next step of that shape
@@ -51,6 +55,12 @@ def tree_size(depths: int, width: int, budget: int) -> int:
         if total >= budget:
             return budget + 1
     return min(total, budget) + 1
+
+
+def _stamp(stamps, end: bool, stream) -> None:
+    """The GPU's clock at a step's first (end False) or last launch, where a benchmark asked for stamps."""
+    if stamps is not None:
+        stamps.stamp(end, stream)
 
 
 class _Shape:
@@ -91,6 +101,7 @@ class DeviceSteps:
         self.model = model
         self._shapes: dict = {}
         self._pending = None
+        self.stamps = None  # numba_kernels.clock.Stamps: each step's first and last GPU work stamped (benchmarks)
 
     @staticmethod
     def supports(model, cache, temperature: float) -> bool:
@@ -141,15 +152,18 @@ class DeviceSteps:
         prefix = cache.length
         if prefix + 1 > cache.capacity or prefix >= model.cfg.max_position_embeddings:
             raise ValueError(f"one new row after {prefix} exceeds the cache capacity {cache.capacity}")
-        shape = self._shape(cache, ("ar", topk), lambda: _Shape(model, cache, 1, None, None))
+        stamps = self.stamps
+        shape = self._shape(cache, ("ar", topk, stamps), lambda: _Shape(model, cache, 1, None, None))
         shape.ids_host[:, 0] = (root, prefix)
         length = cache.device_length()
 
         def body(stream):
+            _stamp(stamps, False, stream)
             upload(shape.state["ids"], shape.ids_host, stream)  # in the graph: its first node reads ids_host
             model.forward_on_device(shape.state, cache, shape.mask, shape.keys, stream)
             self._top(shape, topk, stream)
             tree_compact.advance_lengths_kernel[1, 1, stream](length, shape.one)
+            _stamp(stamps, True, stream)
 
         self._run(shape, body)
         self._pending = (cache, shape, prefix)
@@ -175,7 +189,8 @@ class DeviceSteps:
         if prefix + nodes > cache.capacity or prefix + depth >= model.cfg.max_position_embeddings:
             raise ValueError(f"a tree of {nodes} nodes after {prefix} rows does not fit the cache of "
                              f"{cache.capacity} rows or the positions")
-        shape = self._shape(cache, ("ddtree", budget, nodes, depth, width, topk),
+        stamps = self.stamps
+        shape = self._shape(cache, ("ddtree", budget, nodes, depth, width, topk, stamps),
                             lambda: _Shape(model, cache, nodes, budget, (depth, width)))
         shape.draft_host[0, 0] = draft_logprobs.view(np.int32)
         shape.draft_host[1, 0] = draft_ids
@@ -184,6 +199,7 @@ class DeviceSteps:
         tree, (accepted, tau, bonus) = shape.tree, shape.accepted
 
         def body(stream):
+            _stamp(stamps, False, stream)
             upload(shape.draft, shape.draft_host, stream)  # in the graph: copies of the pinned buffers as they
             upload(shape.scalars, shape.scalars_host, stream)  # are at each replay, no driver call of their own
             tree_build.build_trees(shape.draft[0].view(np.float32), shape.draft[1], shape.scalars[0],
@@ -197,6 +213,7 @@ class DeviceSteps:
             tree_compact.compact_on_device([cache.kv], length, accepted, tau, stream=stream)
             step_io.gather_results(tree.packed, tree.num_nodes, top_ids, accepted, tau, bonus, shape.results,
                                    stream=stream)
+            _stamp(stamps, True, stream)
 
         self._run(shape, body)
         self._pending = (cache, shape, prefix)

@@ -65,6 +65,7 @@ class DeviceTreeOps:
     at a time per object."""
 
     def __init__(self, device_steps: bool = True):
+        self.step_stamps = None  # numba_kernels.clock.Stamps for every whole step on the device (benchmarks)
         self._buffers: dict[int, _Buffers] = {}
         self._built = None   # (tokens, parents) of the last tree built, and its _Buffers
         self._use_device_steps = device_steps
@@ -78,6 +79,7 @@ class DeviceTreeOps:
         steps = self._steps.get(id(model))
         if steps is None or steps.model is not model:
             steps = self._steps[id(model)] = DeviceSteps(model)
+        steps.stamps = self.step_stamps
         return steps
 
     def _buffers_for(self, budget: int) -> _Buffers:

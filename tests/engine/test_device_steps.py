@@ -8,7 +8,8 @@
 - AR and DDTree decodes through generate: the same tokens and the same records field by field, and the device
   steps really ran;
 - the tree size the step is shaped for equals the reference build's on random drafts;
-- where it does not apply (fp32 without batch invariance, T > 0) the loop runs the stages one by one.
+- where it does not apply (fp32 without batch invariance, T > 0) the loop runs the stages one by one;
+- with GPU-clock stamps asked for, every step is stamped once and the tokens do not change.
 Under the simulator on `tiny` (eager launches); on a GPU the same tests capture and replay CUDA graphs (each
 shape's second step on).
 """
@@ -26,6 +27,7 @@ from kdspec.engine.device.tree_ops import DeviceTreeOps
 from kdspec.engine.golden import ddtree as ddtree_ref
 from kdspec.engine.model.config import PRESETS
 from kdspec.engine.model.weights import random_weights
+from kdspec.numba_kernels.clock import Stamps
 
 PROMPT = np.array([3, 1, 4, 1, 5, 9, 2], dtype=np.int64)
 
@@ -121,6 +123,25 @@ def test_decodes_equal_the_stages_one_by_one(model, mode, monkeypatch):
                 continue
             a, b = np.asarray(got[field]), np.asarray(want[field])
             assert a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), field
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_stamped_steps_are_stamped_once_each(model, mode):
+    cfg = model.cfg
+    config = (DecodeConfig(6) if mode == "ar" else DecodeConfig(10, mode="ddtree", block_size=4, budget=6))
+    drafter = None if mode == "ar" else NoisyOracleDrafter(golden_continuation(model, 16), 0.6, 1, 3, 6,
+                                                            cfg.vocab_size)
+    ops = DeviceTreeOps()
+    plain = generate(model, PROMPT, config, drafter, tree_ops=ops)
+    ops.step_stamps = stamps = Stamps(64)
+    for _ in range(2):  # on a GPU the second decode replays the stamped graphs
+        stamps.clear()
+        stamped = generate(model, PROMPT, config, drafter, tree_ops=ops)
+        spans = stamps.spans()
+        assert len(spans) == stamped.steps
+        assert (spans[:, 1] >= spans[:, 0]).all() and (spans[1:, 0] >= spans[:-1, 1]).all()
+        assert np.array_equal(stamped.tokens, plain.tokens)
 
 
 @pytest.mark.sim
