@@ -81,33 +81,27 @@ class OracleDrafter:
         self.golden = golden
         self.num_depths, self.top_k, self.vocab = int(num_depths), int(top_k), int(vocab)
         self._logprobs = _oracle_logprobs(self.top_k)
-        self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # position -> (ids, logprobs): _kept_row
+        self._ranks = np.arange(self.top_k, dtype=np.int64)
+        self._sentinel = (SENTINEL_LOGPROB - self._ranks).astype(np.float32)
+
+    def _rows_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32 [n, K], logprobs float32 [n, K]) predicting each absolute position of ``positions`` (int
+        [n], >= 0), in one pass: the drafter's host time is part of every step's."""
+        known = positions < len(self.golden)
+        golden = self.golden[np.where(known, positions, 0)] if len(self.golden) else np.zeros(len(positions), np.int64)
+        ids = np.where(known[:, None], (golden[:, None] + self._ranks) % self.vocab, self._ranks).astype(np.int32)
+        logprobs = np.where(known[:, None], self._logprobs, self._sentinel)
+        return ids, logprobs
 
     def _row(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids int32 [K], logprobs float32 [K]) predicting absolute ``position``."""
-        if position >= len(self.golden):
-            ids = np.arange(self.top_k, dtype=np.int32)
-            return ids, (SENTINEL_LOGPROB - np.arange(self.top_k)).astype(np.float32)
-        golden = int(self.golden[position])
-        ids = (golden + np.arange(self.top_k)) % self.vocab
-        return ids.astype(np.int32), self._logprobs.copy()
+        ids, logprobs = self._rows_at(np.array([position]))
+        return ids[0], logprobs[0]
 
     def draft(self, committed_tokens, bonus_token: int, position: int) -> tuple[np.ndarray, np.ndarray]:
         if position < 0:
             raise ValueError(f"position must be >= 0, got {position}")
-        ids = np.empty((self.num_depths, self.top_k), dtype=np.int32)
-        logprobs = np.empty((self.num_depths, self.top_k), dtype=np.float32)
-        for depth in range(1, self.num_depths + 1):
-            ids[depth - 1], logprobs[depth - 1] = self._kept_row(position + depth)
-        return ids, logprobs
-
-    def _kept_row(self, position: int) -> tuple[np.ndarray, np.ndarray]:
-        """_row(position), computed once: a row depends on the position alone, and consecutive steps draft
-        overlapping positions (the drafter's host time is part of every step's)."""
-        row = self._rows.get(position)
-        if row is None:
-            row = self._rows[position] = self._row(position)
-        return row
+        return self._rows_at(position + 1 + np.arange(self.num_depths))
 
 
 class NoisyOracleDrafter(OracleDrafter):
@@ -129,6 +123,24 @@ class NoisyOracleDrafter(OracleDrafter):
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         self.p, self.seed = float(p), int(seed)
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # position -> (ids, logprobs): _kept_row
+
+    def draft(self, committed_tokens, bonus_token: int, position: int) -> tuple[np.ndarray, np.ndarray]:
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        ids = np.empty((self.num_depths, self.top_k), dtype=np.int32)
+        logprobs = np.empty((self.num_depths, self.top_k), dtype=np.float32)
+        for depth in range(1, self.num_depths + 1):
+            ids[depth - 1], logprobs[depth - 1] = self._kept_row(position + depth)
+        return ids, logprobs
+
+    def _kept_row(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """_row(position), computed once: a row depends on the position alone, and consecutive steps draft
+        overlapping positions (its random draws cost more than the oracle's rows)."""
+        row = self._rows.get(position)
+        if row is None:
+            row = self._rows[position] = self._row(position)
+        return row
 
     def golden_rank(self, position: int) -> int:
         """Rank of the golden token at absolute ``position`` (0 = hit), -1 when dropped."""

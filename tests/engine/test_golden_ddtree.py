@@ -214,3 +214,24 @@ def test_topk_with_margin_ties_to_lower_id():
         ids, values, margin = sampling_ref.topk_with_margin(x, 5)
         brute = sorted(range(30), key=lambda i: (-x[i], i))
         assert ids.tolist() == brute[:5] and margin == x[brute[0]] - x[brute[1]]
+
+
+@pytest.mark.parametrize("logprobs, ids_dtype, message", [
+    ([[-1.0, np.nan, -3.0]], np.int32, "contain NaN"),
+    ([[np.nan, -1.0]], np.int32, "contain NaN"),
+    ([[np.nan]], np.int32, "contain NaN"),
+    ([[-1.0, -0.5]], np.int32, "sorted descending"),
+    ([[-1.0, -2.0], [-2.0, -1.0]], np.int32, "sorted descending"),
+    ([[-1.0, -2.0]], np.float32, "must be integers"),
+    ([[-1.0, -2.0]], np.bool_, "must be integers"),
+])
+def test_check_draft_names_what_is_wrong(logprobs, ids_dtype, message):
+    logprobs = np.asarray(logprobs, dtype=np.float32)
+    with pytest.raises(ValueError, match=message):
+        ddtree_ref.check_draft(logprobs, np.zeros(logprobs.shape, dtype=ids_dtype), 4)
+
+
+@pytest.mark.parametrize("logprobs", [[[-1.0]], [[-1.0, -1.0, -2.0]], [[0.0, -np.inf]], np.zeros((0, 3))])
+def test_check_draft_takes_sorted_rows_ties_and_empty_drafts(logprobs):
+    logprobs = np.asarray(logprobs, dtype=np.float32).reshape(-1, np.shape(logprobs)[-1])
+    ddtree_ref.check_draft(logprobs, np.zeros(logprobs.shape, dtype=np.int64), 4)
