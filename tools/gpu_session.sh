@@ -21,6 +21,10 @@
 #                                          # issue and tensor-pipe activity, stall reasons (tools/experts_probe.py)
 #     bash tools/gpu_session.sh device-steps  # whole steps on the device: their tests (tiny: captured graphs
 #                                          # against the stages one by one; k2-mini decodes), then bench e2e
+#     bash tools/gpu_session.sh host-turns  # per step, unprofiled: the host's turn from the results read to the next
+#                                          # launch (AR, oracle B=7..255); then GPU time per kernel at B=63..255
+#     bash tools/gpu_session.sh e2e-tests  # bench e2e, then the unpadded products', stamps' and device steps' tests
+#                                          # and the k2-mini invariance test
 #     bash tools/gpu_session.sh steps-profile  # bench e2e, then GPU time per kernel of AR and oracle B=7 / 63 / 255
 #     bash tools/gpu_session.sh moe-graphs  # kdtree bench moe, then the tensor-core experts' launch shapes at K2's
 #                                          # 384 experts as graph replays (MOE_CONFIGS: which, e.g. t0,t8)
@@ -29,7 +33,7 @@
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|steps-profile|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|steps-profile|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -146,6 +150,20 @@ device-steps)
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Error" "$log" | head -20
     grep -a -E "^e2e " "$log" | cut -c1-230
     ;;
+host-turns)
+    step host-turns 240 python3 -W ignore tools/step_profile.py --timeline --budgets 7,63,127,255
+    step profile-kernels 300 python3 -W ignore tools/step_profile.py --kernels --budgets 63,127,255 --top "${TOP:-24}"
+    grep -a -E "host turn|no host turn" "$log" | cut -c1-220
+    grep -a -E "^=====|ms/step|GPU idle" "$log" | cut -c1-190
+    ;;
+e2e-tests)
+    step bench-e2e 300 "${kdtree[@]}" bench e2e
+    step unpadded-tests 120 python3 -m pytest -q -m "sim or gpu" tests/engine/test_torch_ops.py tests/kernels/test_clock.py \
+        tests/engine/test_device_steps.py
+    step invariance-k2 120 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[True]"
+    grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Error" "$log" | head -20
+    grep -a -E "^e2e " "$log" | cut -c1-230
+    ;;
 steps-profile)
     step bench-e2e 290 "${kdtree[@]}" bench e2e
     step profile-kernels 240 python3 -W ignore tools/step_profile.py --kernels --budgets 7,63,255 --top "${TOP:-16}"
@@ -171,7 +189,7 @@ print(runner.format_table(spec.run(temperatures=t, budgets=tuple(int(x) for x in
     tail -n 60 "$log"
     ;;
 *)
-    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, device-steps, steps-profile, moe-graphs, profile-step, profile-kernels, invariance, experts-tc, experts-tc-e2e, ncu-experts, spec)" >&2
+    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, device-steps, e2e-tests, host-turns, steps-profile, moe-graphs, profile-step, profile-kernels, invariance, experts-tc, experts-tc-e2e, ncu-experts, spec)" >&2
     exit 2
     ;;
 esac

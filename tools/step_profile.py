@@ -6,7 +6,7 @@ profiler instead of cProfile, and per run the GPU kernels with the most GPU time
 time goes, not the host's).
 
     python3 -W ignore tools/step_profile.py [--model k2-mini] [--budgets 7,63] [--tokens 64] [--top 30] [--out DIR]
-                                            [--kernels] [--variant]
+                                            [--kernels | --timeline] [--variant]
 
 Run on the GPU machine; ``--out`` also writes each run's pstats dump (snakeviz / pstats can read it).
 """
@@ -16,6 +16,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--kernels", action="store_true", help="GPU time per kernel (torch profiler)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="no profiler: per step, the host's turn from the results read to the next launch")
     parser.add_argument("--variant", action="store_true",
                         help="the bf16 model without batch invariance (the forward before issue #19)")
     args = parser.parse_args()
@@ -57,6 +60,9 @@ def main() -> None:
         runs[f"DDTree oracle B={budget}"] = (lambda c=config, d=drafter: generate(model, prompt, c, d, tree_ops=ops))
     for decode in runs.values():   # compile every kernel of every run before profiling
         decode()
+    if args.timeline:
+        host_turns(runs)
+        return
     if args.kernels:  # each run warmed up again right before its profile: the captured graphs are its own
         kernel_tables(runs, args.top)
         return
@@ -109,6 +115,64 @@ def kernel_tables(runs: dict, top: int) -> None:
         for key, ms in sorted(per_kernel.items(), key=lambda item: -item[1])[:top]:
             print(f"  {ms / result.steps:8.3f} ms/step {100 * ms / total:5.1f}% {calls[key] / result.steps:6.1f} "
                   f"calls/step  {key}")
+
+
+def host_turns(runs: dict, repeats: int = 3) -> None:
+    """Per run, unprofiled: the host's turn of each step, from the moment the last step's results are on the
+    host (its download returned) to the moment this step's launch call returned (DeviceSteps' graph replay or
+    eager launches queued), split into the time before the step's launch call (the decode loop, drafting) and
+    inside it; and the decode's wall time per step. The GPU idles at least this long a step (plus the launch's
+    own latency on the device)."""
+    from kdspec.engine.device import step as device_step
+    marks = []
+    download, queue = device_step.download, {}
+
+    def timed_download(*args, **kwargs):
+        out = download(*args, **kwargs)
+        marks.append(("read", time.perf_counter()))
+        return out
+
+    def timed(name):
+        method = getattr(device_step.DeviceSteps, name)
+        queue[name] = method
+
+        def wrapper(self, *args, **kwargs):
+            marks.append(("call", time.perf_counter()))
+            out = method(self, *args, **kwargs)
+            marks.append(("queued", time.perf_counter()))
+            return out
+        return wrapper
+
+    device_step.download = timed_download
+    for name in ("ar", "ddtree"):
+        setattr(device_step.DeviceSteps, name, timed(name))
+    try:
+        for name, decode in runs.items():
+            decode()
+            before, inside, walls = [], [], []
+            for _ in range(repeats):
+                marks.clear()
+                result = decode()
+                walls.append((result.elapsed - result.prefill_time) / result.steps)
+                read = None
+                for (kind, at), (next_kind, next_at) in zip(marks, marks[1:]):
+                    if kind == "read":
+                        read = at
+                    if kind == "call" and next_kind == "queued" and read is not None:
+                        before.append(at - read)
+                        inside.append(next_at - at)
+                        read = None
+            if not before:
+                print(f"{name:22s} wall {np.median(walls) * 1e3:7.3f} ms/step; no host turn (one step a decode)")
+                continue
+            turn = np.add(before, inside)
+            print(f"{name:22s} wall {np.median(walls) * 1e3:7.3f} ms/step; host turn median {np.median(turn) * 1e3:.3f} "
+                  f"mean {turn.mean() * 1e3:.3f} p90 {np.percentile(turn, 90) * 1e3:.3f} ms = before the launch call "
+                  f"{np.median(before) * 1e3:.3f} + in it {np.median(inside) * 1e3:.3f} (medians, {len(turn)} turns)")
+    finally:
+        device_step.download = download
+        for name, method in queue.items():
+            setattr(device_step.DeviceSteps, name, method)
 
 
 def idle_gaps(events):
