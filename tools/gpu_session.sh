@@ -24,7 +24,7 @@
 #     bash tools/gpu_session.sh host-turns  # per step, unprofiled: the host's turn from the results read to the next
 #                                          # launch (AR, oracle B=7..255); then GPU time per kernel at B=63..255
 #     bash tools/gpu_session.sh e2e-tests  # bench e2e, then the unpadded products', stamps' and device steps' tests
-#                                          # and the k2-mini invariance test
+#                                          # and the k2-mini invariance test (WITH_FP32=1: and fp32 k2-mini == golden)
 #     bash tools/gpu_session.sh steps-profile  # bench e2e, then GPU time per kernel of AR and oracle B=7 / 63 / 255
 #     bash tools/gpu_session.sh moe-graphs  # kdtree bench moe, then the tensor-core experts' launch shapes at K2's
 #                                          # 384 experts as graph replays (MOE_CONFIGS: which, e.g. t0,t8)
@@ -161,6 +161,7 @@ e2e-tests)
     step unpadded-tests 120 python3 -m pytest -q -m "sim or gpu" tests/engine/test_torch_ops.py tests/kernels/test_clock.py \
         tests/engine/test_device_steps.py
     step invariance-k2 120 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[True]"
+    [ -n "${WITH_FP32:-}" ] && step k2-mini-fp32 240 python3 -m pytest -q -m gpu -k k2 tests/engine/test_device_model.py
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Error" "$log" | head -20
     grep -a -E "^e2e " "$log" | cut -c1-230
     ;;

@@ -61,7 +61,7 @@ def main() -> None:
     for decode in runs.values():   # compile every kernel of every run before profiling
         decode()
     if args.timeline:
-        host_turns(runs)
+        host_turns(runs, ops)
         return
     if args.kernels:  # each run warmed up again right before its profile: the captured graphs are its own
         kernel_tables(runs, args.top)
@@ -117,13 +117,16 @@ def kernel_tables(runs: dict, top: int) -> None:
                   f"calls/step  {key}")
 
 
-def host_turns(runs: dict, repeats: int = 3) -> None:
+def host_turns(runs: dict, ops, repeats: int = 3) -> None:
     """Per run, unprofiled: the host's turn of each step, from the moment the last step's results are on the
     host (its download returned) to the moment this step's launch call returned (DeviceSteps' graph replay or
     eager launches queued), split into the time before the step's launch call (the decode loop, drafting) and
-    inside it; and the decode's wall time per step. The GPU idles at least this long a step (plus the launch's
-    own latency on the device)."""
+    inside it; the decode's wall time per step; and, from GPU-clock stamps at each step's first and last launch
+    (``ops.step_stamps``), the GPU's idle time between two steps: idle - turn is the way from the host's
+    launch call to the GPU and back from the GPU to the host's read."""
     from kdspec.engine.device import step as device_step
+    from kdspec.numba_kernels.clock import Stamps
+    ops.step_stamps = stamps = Stamps(4096)
     marks = []
     download, queue = device_step.download, {}
 
@@ -149,11 +152,14 @@ def host_turns(runs: dict, repeats: int = 3) -> None:
     try:
         for name, decode in runs.items():
             decode()
-            before, inside, walls = [], [], []
+            before, inside, walls, idle = [], [], [], []
             for _ in range(repeats):
                 marks.clear()
+                stamps.clear()
                 result = decode()
                 walls.append((result.elapsed - result.prefill_time) / result.steps)
+                spans = stamps.spans()
+                idle.extend(spans[1:, 0] - spans[:-1, 1])
                 read = None
                 for (kind, at), (next_kind, next_at) in zip(marks, marks[1:]):
                     if kind == "read":
@@ -168,8 +174,11 @@ def host_turns(runs: dict, repeats: int = 3) -> None:
             turn = np.add(before, inside)
             print(f"{name:22s} wall {np.median(walls) * 1e3:7.3f} ms/step; host turn median {np.median(turn) * 1e3:.3f} "
                   f"mean {turn.mean() * 1e3:.3f} p90 {np.percentile(turn, 90) * 1e3:.3f} ms = before the launch call "
-                  f"{np.median(before) * 1e3:.3f} + in it {np.median(inside) * 1e3:.3f} (medians, {len(turn)} turns)")
+                  f"{np.median(before) * 1e3:.3f} + in it {np.median(inside) * 1e3:.3f} (medians, {len(turn)} turns); "
+                  f"GPU idle between steps median {np.median(idle) * 1e3:.3f} mean {np.mean(idle) * 1e3:.3f} "
+                  f"max {np.max(idle) * 1e3:.3f} ms")
     finally:
+        ops.step_stamps = None
         device_step.download = download
         for name, method in queue.items():
             setattr(device_step.DeviceSteps, name, method)

@@ -29,6 +29,8 @@ SENTINEL_LOGPROB = -40.0
 # Oracle distribution at one depth: the golden token gets ORACLE_TOP_PROB, the distractors share the rest
 # geometrically (each half the previous), so a full chain of L <= 100 rank-0 nodes outscores any sibling.
 ORACLE_TOP_PROB = 0.999
+# Positions an oracle computes its rows for at once (int32 [ORACLE_BLOCK, K] kept): a step then copies its rows.
+ORACLE_BLOCK = 256
 # Keeps the noisy oracle's decisions independent of the sampling noise drawn with the same seed.
 NOISE_SALT = 0x6E6F697379  # "noisy"
 
@@ -83,6 +85,7 @@ class OracleDrafter:
         self._logprobs = _oracle_logprobs(self.top_k)
         self._ranks = np.arange(self.top_k, dtype=np.int64)
         self._sentinel = (SENTINEL_LOGPROB - self._ranks).astype(np.float32)
+        self._blocks: dict[int, np.ndarray] = {}  # position // ORACLE_BLOCK -> ids int32 [ORACLE_BLOCK, K]
 
     def _rows_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(ids int32 [n, K], logprobs float32 [n, K]) predicting each absolute position of ``positions`` (int
@@ -101,6 +104,14 @@ class OracleDrafter:
     def draft(self, committed_tokens, bonus_token: int, position: int) -> tuple[np.ndarray, np.ndarray]:
         if position < 0:
             raise ValueError(f"position must be >= 0, got {position}")
+        first, stop = position + 1, position + 1 + self.num_depths
+        block = first // ORACLE_BLOCK
+        if self.num_depths and stop <= len(self.golden) and (stop - 1) // ORACLE_BLOCK == block:
+            # rows inside the golden sequence and one block of them: copies of rows computed once
+            if block not in self._blocks:
+                self._blocks[block] = self._rows_at(block * ORACLE_BLOCK + np.arange(ORACLE_BLOCK))[0]
+            rows = self._blocks[block][first - block * ORACLE_BLOCK:stop - block * ORACLE_BLOCK]
+            return rows.copy(), np.broadcast_to(self._logprobs, rows.shape).copy()
         return self._rows_at(position + 1 + np.arange(self.num_depths))
 
 

@@ -12,6 +12,7 @@ the accepted drafted tokens and then the new bonus. The prefill over the prompt 
 """
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -20,7 +21,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from kdspec.engine.decode.config import DecodeConfig
-from kdspec.engine.decode.records import GoldenCompare, OneNodeTree, StepOutcome, read_target, step_record
+from kdspec.engine.decode.records import (GoldenCompare, OneNodeTree, StepOutcome, TreeTokens, read_target,
+                                          step_record)
 from kdspec.engine.golden import ddtree as ddtree_ref
 from kdspec.engine.golden import sampling as sampling_ref
 from kdspec.traces.schema import STAGES, TARGET_TOPK
@@ -113,6 +115,27 @@ class _Run:
     drafter: Any
     device_steps: Any = None  # engine.device.step.DeviceSteps: whole steps on the device (None: stage by stage)
     choice_topk: int = TARGET_TOPK  # the top-k a step on the device computes: 1 (the choice) unless records read it
+    records: bool = True  # whether the steps' records are built (on_step given): what only they read is read then
+    _committed: Optional[np.ndarray] = None  # committed_tokens' buffer and how much of it is filled
+    _filled: int = 0
+
+    def committed_tokens(self, tokens: list[int]) -> np.ndarray:
+        """The tokens in the cache, prompt + tokens[:-1] (the last token is the bonus, not yet committed), as a
+        view of one buffer into which only the tokens new since the last call are copied: a step's host time
+        must not grow with the output."""
+        count = len(self.prompt) + len(tokens) - 1
+        if self._committed is None or count > len(self._committed):
+            grown = np.empty(max(2 * count, 64), dtype=np.int64)
+            grown[:len(self.prompt)] = self.prompt
+            if self._committed is not None:
+                grown[:self._filled] = self._committed[:self._filled]
+            self._committed, self._filled = grown, max(self._filled, len(self.prompt))
+        if count > self._filled:
+            self._committed[self._filled:count] = tokens[self._filled - len(self.prompt):len(tokens) - 1]
+            self._filled = count
+        view = self._committed[:count]
+        view.flags.writeable = False  # the drafter reads it; the buffer is the run's
+        return view
 
 
 def generate(model, prompt_ids, config: DecodeConfig, drafter=None, *, golden=None,
@@ -144,7 +167,8 @@ def generate(model, prompt_ids, config: DecodeConfig, drafter=None, *, golden=No
     run = _Run(model, cache, tree_ops or ReferenceTreeOps(), prompt, config, drafter)
     device_steps = getattr(run.ops, "device_steps", None)
     run.device_steps = device_steps(model, cache, config.temperature) if device_steps is not None else None
-    run.choice_topk = TARGET_TOPK if on_step is not None else 1
+    run.records = on_step is not None
+    run.choice_topk = TARGET_TOPK if run.records else 1
     logits = model.forward(run.cache, prompt, np.arange(len(prompt), dtype=np.int64))
     model.commit(run.cache, len(prompt))
     bonus = int(run.ops.choose_tokens(logits[-1:], config.temperature, config.seed, np.array([len(prompt)]))[0])
@@ -179,6 +203,8 @@ def _steps(run: _Run, bonus: int, golden, on_step) -> tuple[list[int], list[int]
         while pending:  # in step order (at most one waits in practice)
             on_step(pending.pop(0)())
 
+    collecting = gc.isenabled()
+    gc.disable()  # a cyclic collection over the heap of torch and numba objects takes milliseconds in one step
     try:
         while len(tokens) < config.max_new_tokens:
             step = step_fn(run, tokens, emit_pending)
@@ -192,6 +218,8 @@ def _steps(run: _Run, bonus: int, golden, on_step) -> tuple[list[int], list[int]
                 if at_once:
                     emit_pending()
     finally:  # the last step's record (also when a later step failed)
+        if collecting:
+            gc.enable()
         if on_step is not None:
             emit_pending()
     return tokens, taus, stage_times
@@ -228,7 +256,10 @@ def _ar_step(run: _Run, tokens: list[int], after_forward: Callable[[], None]) ->
             run.device_steps.ar(cache, root, run.choice_topk)
         after_forward()
         with clock("accept"):
-            logits, choice = run.device_steps.finish_ar()
+            logits, choice = run.device_steps.finish_ar(logits=run.records)
+        if not run.records:
+            return StepOutcome(prefix_len, root, TreeTokens(np.array([root])), None, choice, accepted, int(choice[0]),
+                               None, cache_len_verify=prefix_len + 1, cache_len_after=cache.length, times=clock.times)
         with clock("compact"):
             moves = ddtree_ref.compaction_moves(prefix_len, accepted)
         return StepOutcome(prefix_len, root, OneNodeTree(root), logits, choice, accepted, int(choice[0]), moves,
@@ -253,7 +284,7 @@ def _ddtree_step(run: _Run, tokens: list[int], after_forward: Callable[[], None]
     prefix_len = cache.length
     root = tokens[-1]
     with clock("draft"):
-        committed_before = np.concatenate([run.prompt, np.asarray(tokens[:-1], dtype=np.int64)])
+        committed_before = run.committed_tokens(tokens)
         # a drafter that names hidden layers reads them from the cache (the narrow interface of drafters.py)
         context = {"cache": cache} if getattr(run.drafter, "hidden_layers", ()) else {}
         draft_ids, draft_logprobs = run.drafter.draft(committed_before, root, prefix_len, **context)
@@ -269,9 +300,13 @@ def _ddtree_step(run: _Run, tokens: list[int], after_forward: Callable[[], None]
                                     run.choice_topk)
         after_forward()
         with clock("verify"):
-            tree, logits, choice, accepted, bonus = run.device_steps.finish()
+            if run.records:
+                tree, logits, choice, accepted, bonus = run.device_steps.finish()
+            else:
+                tree_tokens, accepted, bonus = run.device_steps.finish_path()
+                tree, logits, choice = TreeTokens(tree_tokens), None, None
         with clock("compact"):
-            moves = ddtree_ref.compaction_moves(prefix_len, accepted)
+            moves = ddtree_ref.compaction_moves(prefix_len, accepted) if run.records else None
         return StepOutcome(prefix_len, root, tree, logits, choice, accepted, int(bonus), moves,
                            cache_len_verify=prefix_len + tree.num_nodes, cache_len_after=cache.length,
                            times=clock.times, draft=(draft_ids, draft_logprobs))

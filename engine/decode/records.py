@@ -29,6 +29,8 @@ class StepOutcome:
     logits [N+1, V] (numpy or DeviceLogits); choice [N+1] (target's token after each node); accepted int32
     [tau]; moves (src, dst) int32 [tau], the compaction's row moves; cache lengths after the verify forward
     and after the step; times: seconds per stage; draft: (ids int32 [L, K], logprobs float32 [L, K]) or None.
+    In a run that builds no records, a step on the device leaves logits, choice and moves None and its tree a
+    ``TreeTokens`` (what only records read is not read back or built: it is host time in every step).
     """
 
     prefix_len: int
@@ -47,7 +49,9 @@ class StepOutcome:
     @property
     def committed(self) -> list[int]:
         """The tokens the step commits: the accepted drafted tokens, then the bonus."""
-        return [int(t) for t in np.asarray(self.tree.tokens)[np.asarray(self.accepted)[1:]]] + [int(self.bonus)]
+        accepted = np.asarray(self.accepted)
+        drafted = np.asarray(self.tree.tokens)[accepted[1:]].tolist() if len(accepted) > 1 else []
+        return [int(t) for t in drafted] + [int(self.bonus)]
 
 
 @dataclass
@@ -69,6 +73,18 @@ class GoldenCompare:
     run: Any
     prompt_len: int
     cache: Any
+
+
+class TreeTokens:
+    """A step's tree as a run that builds no records sees it: the node tokens [N+1] alone (what the committed
+    tokens are read from)."""
+
+    def __init__(self, tokens: np.ndarray):
+        self.tokens = tokens
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
 
 
 class OneNodeTree:

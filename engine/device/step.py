@@ -7,7 +7,8 @@ A DDTree step queued by ``ddtree`` is, with no host read in between:
     target's greedy choice is its column 0) -> accept -> compaction, skipping rows in place, and the length
     advanced by tau -> the results gathered into one buffer
 
-and ``finish`` reads that buffer in one copy. An AR step is the forward of the one token the host uploads, its
+and ``finish`` reads that buffer in one copy (``finish_path``: the tree's tokens, the accepted path and the bonus
+alone, for a run that builds no records). An AR step is the forward of the one token the host uploads, its
 top-k and the length advanced by one. On cuda the second step of a shape (budget and node count; the cache's
 arrays) is captured and every later one replays the graph: one launch a step. The uploads are the graph's first
 nodes, copies of the pinned buffers the host fills before each replay, so a step costs the host one graph launch
@@ -168,14 +169,14 @@ class DeviceSteps:
         self._run(shape, body)
         self._pending = (cache, shape, prefix)
 
-    def finish_ar(self) -> tuple[DeviceLogits, np.ndarray]:
-        """The queued AR step's logits [1, V] and greedy choice int64 [1] (one copy read); the cache's length
-        advanced by one on the host too."""
+    def finish_ar(self, logits: bool = True) -> tuple[DeviceLogits | None, np.ndarray]:
+        """The queued AR step's logits [1, V] (None unless ``logits``: a record reads them) and greedy choice
+        int64 [1] (one copy read); the cache's length advanced by one on the host too."""
         cache, shape, _ = self._pending
         self._pending = None
         download(shape.choice_host, shape.state["top"][0][:, :1])  # [1, 1]: the greedy choice alone
         cache.advanced_on_device(1)
-        return self._logits(shape), shape.choice_host[0].astype(np.int64)
+        return self._logits(shape) if logits else None, shape.choice_host[0].astype(np.int64)
 
     # -- DDTree --------------------------------------------------------------------------------------
     def ddtree(self, cache, draft_logprobs: np.ndarray, draft_ids: np.ndarray, root: int, budget: int,
@@ -221,19 +222,41 @@ class DeviceSteps:
     def finish(self) -> tuple[ddtree_ref.Tree, DeviceLogits, np.ndarray, np.ndarray, int]:
         """The queued step's (tree, logits, choice int64 [N+1], accepted int32 [tau], bonus), read in one copy;
         the cache's length advanced by tau on the device and the host."""
-        cache, shape, prefix = self._pending
-        self._pending = None
-        download(shape.results_host, shape.results)
-        found, layout, nodes = shape.results_host, shape.layout, shape.nodes
-        if found[layout.count] != nodes:
-            raise RuntimeError(f"the tree build gave {found[layout.count]} nodes, the step was shaped for {nodes}")
+        shape, found = self._read()
+        layout, nodes = shape.layout, shape.nodes
         rows = found[layout.tree:layout.tree + step_io.TREE_ROWS * nodes].reshape(step_io.TREE_ROWS, nodes).copy()
         built = {name: rows[row] for row, name in enumerate(tree_build.OUTPUT_ROWS)}
         tree = ddtree_ref.Tree(tokens=built["tokens"].astype(np.int64), parents=built["parents"],
                                depths=built["depths"], ranks=built["ranks"], scores=built["scores"].view(np.float32),
                                positions=built["positions"].astype(np.int64), visibility=shape.mask)
+        accepted, bonus = self._path(shape, found)
+        choice = found[layout.choice:layout.choice + nodes].astype(np.int64)
+        return tree, self._logits(shape), choice, accepted, bonus
+
+    def finish_path(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """The queued step's (tree tokens int32 [N+1], accepted int32 [tau], bonus) alone, read in one copy (the
+        rest of ``finish`` is for records); the cache's length advanced by tau on the device and the host."""
+        shape, found = self._read()
+        start = shape.layout.tree + tree_build.TOKENS * shape.nodes
+        accepted, bonus = self._path(shape, found)
+        return found[start:start + shape.nodes].copy(), accepted, bonus
+
+    def _read(self):
+        """(shape, the pinned results) of the queued step, read back and checked."""
+        shape = self._pending[1]
+        download(shape.results_host, shape.results)
+        found = shape.results_host
+        if found[shape.layout.count] != shape.nodes:
+            self._pending = None
+            raise RuntimeError(f"the tree build gave {found[shape.layout.count]} nodes, the step was shaped for "
+                               f"{shape.nodes}")
+        return shape, found
+
+    def _path(self, shape: _Shape, found: np.ndarray) -> tuple[np.ndarray, int]:
+        """(accepted int32 [tau], bonus) from the results; the queued step is done: its cache advanced by tau."""
+        cache, layout = self._pending[0], shape.layout
+        self._pending = None
         tau = int(found[layout.tau])
         accepted = found[layout.accepted:layout.accepted + tau].copy()
-        choice = found[layout.choice:layout.choice + nodes].astype(np.int64)
         cache.advanced_on_device(tau)
-        return tree, self._logits(shape), choice, accepted, int(found[layout.bonus])
+        return accepted, int(found[layout.bonus])

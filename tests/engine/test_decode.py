@@ -370,3 +370,14 @@ def test_records_are_emitted_while_the_next_step_computes(setup, mode):
         for key in mine:
             if not key.startswith("time_"):
                 np.testing.assert_array_equal(mine[key], theirs[key], err_msg=key)
+
+
+def test_committed_tokens_are_the_prompt_and_every_token_but_the_bonus():
+    from kdspec.engine.decode.loop import _Run
+    run = _Run(None, None, None, np.array([5, 6, 7]), None, None)
+    tokens = [1]
+    for step in range(60):  # steps committing 0..8 tokens, the buffer growing past its first size
+        got = run.committed_tokens(tokens)
+        assert np.array_equal(got, np.concatenate([run.prompt, np.asarray(tokens[:-1], dtype=np.int64)])), step
+        assert not got.flags.writeable
+        tokens.extend(range(100 + step, 100 + step + step % 9))

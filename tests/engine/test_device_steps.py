@@ -108,7 +108,8 @@ def test_decodes_equal_the_stages_one_by_one(model, mode, monkeypatch):
     ran = []
     for name in ("finish", "finish_ar"):
         real = getattr(DeviceSteps, name)
-        monkeypatch.setattr(DeviceSteps, name, lambda self, _real=real: (ran.append(1), _real(self))[1])
+        monkeypatch.setattr(DeviceSteps, name,
+                            lambda self, *args, _real=real, **kwargs: (ran.append(1), _real(self, *args, **kwargs))[1])
     fused, fused_records = records(model, config, drafter, True)
     assert len(ran) == fused.steps, "the decode did not run its steps on the device"
     ran.clear()

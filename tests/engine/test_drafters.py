@@ -159,3 +159,17 @@ def test_oracle_rejects_bad_arguments(kwargs, message):
 def test_noisy_rejects_bad_arguments(p, seed, message):
     with pytest.raises(ValueError, match=message):
         NoisyOracleDrafter([1, 2, 3], p, seed, 3, 4, VOCAB)
+
+
+def test_oracle_draft_equals_its_rows_one_by_one_across_blocks_and_past_the_end():
+    from kdspec.engine.decode.drafters import ORACLE_BLOCK
+    golden = np.random.default_rng(2).integers(0, 50, ORACLE_BLOCK + 40)
+    drafter = OracleDrafter(golden, 5, 7, 50)
+    for position in [0, 1, ORACLE_BLOCK - 6, ORACLE_BLOCK - 5, ORACLE_BLOCK - 1, ORACLE_BLOCK, len(golden) - 6,
+                     len(golden) - 3, len(golden) + 10]:
+        ids, logprobs = drafter.draft(golden[:position], int(golden[min(position, len(golden) - 1)]), position)
+        rows = [drafter._row(position + depth) for depth in range(1, 6)]
+        assert ids.dtype == np.int32 and logprobs.dtype == np.float32
+        assert np.array_equal(ids, np.stack([r[0] for r in rows])), position
+        assert np.array_equal(logprobs, np.stack([r[1] for r in rows])), position
+        assert ids.flags.writeable and logprobs.flags.writeable
