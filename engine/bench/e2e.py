@@ -415,12 +415,11 @@ def busy_seconds(intervals: list, start: float, end: float) -> float:
     return busy
 
 
-def profiled_host_time(decode) -> tuple[float, float, int]:
-    """(host seconds, GPU-busy seconds, steps) of the decode after the prefill of ``decode()`` (a generate call),
-    run once under torch's profiler (CUPTI records every kernel and copy of the process, Numba's included).
-    Host time = decode wall time minus the time the GPU was busy within it; the decode window is the last
-    ``elapsed - prefill_time`` seconds before the last GPU activity ends (the decode ends reading its tokens
-    back). The profiler adds a little to every launch: the figure is an upper bound."""
+def profiled_busy(decode) -> tuple[float, int]:
+    """(GPU-busy seconds, steps) of the decode after the prefill of ``decode()`` (a generate call), run once under
+    torch's profiler (CUPTI records every kernel and copy of the process, Numba's included): the union of the
+    GPU's busy intervals within the decode window, the last ``elapsed - prefill_time`` seconds before the last
+    GPU activity ends (the decode ends reading its tokens back)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
@@ -431,8 +430,7 @@ def profiled_host_time(decode) -> tuple[float, float, int]:
         raise RuntimeError("the profiler recorded no GPU activity")
     wall = result.elapsed - result.prefill_time
     end = max(finish for _, finish in intervals)
-    busy = busy_seconds(intervals, end - wall, end)
-    return wall - busy, busy, result.steps
+    return busy_seconds(intervals, end - wall, end), result.steps
 
 
 def stamped_host_time(decode, stamps, repeats: int) -> tuple[float, float, int]:
@@ -481,7 +479,7 @@ def _host_time_rows(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) ->
         finally:
             tree_ops.step_stamps = None
         decode()  # the unstamped graphs again, warm
-        _, profiled_busy, profiled_steps = profiled_host_time(decode)
+        kernels_busy, profiled_steps = profiled_busy(decode)
         if profiled_steps != steps:
             raise RuntimeError(f"e2e: {name} took {steps} steps stamped and {profiled_steps} profiled")
         rows.append(row(SUITE, f"{name} host time per step", host * 1e3, "ms", peer="GPU busy per step",
@@ -490,8 +488,8 @@ def _host_time_rows(cfg: ModelConfig, model, plan: _Plan, golden: np.ndarray) ->
                         note=f"{steps} steps; host = decode wall - GPU busy per step, both from one unprofiled run "
                              f"(median of {plan.repeats}; busy from stamps of the GPU's clock at each step's "
                              f"first and last launch); wall - the profiler's kernel-busy time "
-                             f"({profiled_busy / steps * 1e3:.3g} ms a step, another run): "
-                             f"{host * 1e3 + (busy - profiled_busy / steps) * 1e3:.3g} ms"))
+                             f"({kernels_busy / steps * 1e3:.3g} ms a step, another run): "
+                             f"{host * 1e3 + (busy - kernels_busy / steps) * 1e3:.3g} ms"))
     return rows
 
 
