@@ -2,10 +2,11 @@
 captured CUDA graph can mark on the GPU's own clock when its work began and ended (its first and last node), and
 a benchmark can tell, in the same unprofiled run, the GPU's busy time from the time it waited for the host.
 
-    stamp(stamps, counter, end, stream)   stamps int64 [n, 2]; counter int32 [1]
+    stamp_kernel[1, 1, stream](stamps, counter, end)   stamps int64 [n, 2]; counter int32 [1]; end 0 or 1
 
 writes the timer into stamps[counter[0], end] and, at the end stamp (end = 1), advances counter[0]; once the
-counter reaches n, stamps are dropped. Under the simulator the timer is the host's perf_counter_ns.
+counter reaches n, stamps are dropped. ``Stamps`` holds the two arrays and launches it. Under the simulator the
+timer is the host's perf_counter_ns.
 """
 from __future__ import annotations
 

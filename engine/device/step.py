@@ -222,40 +222,41 @@ class DeviceSteps:
     def finish(self) -> tuple[ddtree_ref.Tree, DeviceLogits, np.ndarray, np.ndarray, int]:
         """The queued step's (tree, logits, choice int64 [N+1], accepted int32 [tau], bonus), read in one copy;
         the cache's length advanced by tau on the device and the host."""
-        shape, found = self._read()
+        cache, shape, found = self._read()
         layout, nodes = shape.layout, shape.nodes
         rows = found[layout.tree:layout.tree + step_io.TREE_ROWS * nodes].reshape(step_io.TREE_ROWS, nodes).copy()
         built = {name: rows[row] for row, name in enumerate(tree_build.OUTPUT_ROWS)}
         tree = ddtree_ref.Tree(tokens=built["tokens"].astype(np.int64), parents=built["parents"],
                                depths=built["depths"], ranks=built["ranks"], scores=built["scores"].view(np.float32),
                                positions=built["positions"].astype(np.int64), visibility=shape.mask)
-        accepted, bonus = self._path(shape, found)
+        accepted, bonus = self._path(cache, shape, found)
         choice = found[layout.choice:layout.choice + nodes].astype(np.int64)
         return tree, self._logits(shape), choice, accepted, bonus
 
     def finish_path(self) -> tuple[np.ndarray, np.ndarray, int]:
         """The queued step's (tree tokens int32 [N+1], accepted int32 [tau], bonus) alone, read in one copy (the
         rest of ``finish`` is for records); the cache's length advanced by tau on the device and the host."""
-        shape, found = self._read()
+        cache, shape, found = self._read()
         start = shape.layout.tree + tree_build.TOKENS * shape.nodes
-        accepted, bonus = self._path(shape, found)
+        accepted, bonus = self._path(cache, shape, found)
         return found[start:start + shape.nodes].copy(), accepted, bonus
 
     def _read(self):
-        """(shape, the pinned results) of the queued step, read back and checked."""
-        shape = self._pending[1]
+        """(cache, shape, the pinned results) of the queued step, which is no longer queued: read back and
+        checked."""
+        cache, shape, _ = self._pending
+        self._pending = None
         download(shape.results_host, shape.results)
         found = shape.results_host
         if found[shape.layout.count] != shape.nodes:
-            self._pending = None
             raise RuntimeError(f"the tree build gave {found[shape.layout.count]} nodes, the step was shaped for "
                                f"{shape.nodes}")
-        return shape, found
+        return cache, shape, found
 
-    def _path(self, shape: _Shape, found: np.ndarray) -> tuple[np.ndarray, int]:
-        """(accepted int32 [tau], bonus) from the results; the queued step is done: its cache advanced by tau."""
-        cache, layout = self._pending[0], shape.layout
-        self._pending = None
+    @staticmethod
+    def _path(cache, shape: _Shape, found: np.ndarray) -> tuple[np.ndarray, int]:
+        """(accepted int32 [tau], bonus) from the results; the cache's length advanced by tau on the host too."""
+        layout = shape.layout
         tau = int(found[layout.tau])
         accepted = found[layout.accepted:layout.accepted + tau].copy()
         cache.advanced_on_device(tau)
