@@ -18,9 +18,12 @@ from kdspec.numba_kernels.reductions import block_sum
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, row_blocks
 
 NORM_THREADS = 4 if ON_SIMULATOR else 1024  # power of two (block_sum)
-# Each thread loads LOADS_AHEAD elements before it uses any: at s = 1 one block streams a whole row, and
-# with one dependent load at a time (7 per thread at d = 7168) a norm's time is that chain's latency.
-LOADS_AHEAD = 2 if ON_SIMULATOR else 4
+# Row elements a thread keeps in registers (columns tid + NORM_THREADS k): a row of up to NORM_THREADS x ROW_REGS
+# (8192 on a GPU) is read once, all its loads (and the weight's) issued before the reduction, so that at s = 1,
+# where one block streams a whole row, a norm costs one load latency, not a chain of them. Wider rows read the
+# rest in a loop. The sum of squares runs over a thread's columns in increasing order either way.
+ROW_REGS = 2 if ON_SIMULATOR else 8
+COMPILE_OPTIONS = {} if ON_SIMULATOR else dict(launch_bounds=(NORM_THREADS, 1))
 
 
 @device_function(inline=True)
@@ -28,46 +31,62 @@ def inverse_rms(row_sum_squares, width, eps):
     return float32(1.0) / math.sqrt(row_sum_squares / float32(width) + eps)
 
 
-@kernel_cache.jit
+@kernel_cache.jit(**COMPILE_OPTIONS)
 def rms_norm_kernel(x, weight, eps, out):
     """x float32 [s, d]; weight float32 [d]; eps float32; out float32 [s, d] (may alias x).
     Grid (row_blocks(s),): block b does rows b, b + gridDim, ..."""
     scratch = cuda.shared.array(NORM_THREADS, float32)
-    ahead = cuda.local.array(LOADS_AHEAD, float32)
-    width, step = x.shape[1], cuda.blockDim.x
+    kept = cuda.local.array(ROW_REGS, float32)
+    kept_weight = cuda.local.array(ROW_REGS, float32)
+    width, step, tid = x.shape[1], cuda.blockDim.x, cuda.threadIdx.x
     for row in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):  # block-uniform: block_sum may sync
+        for k in range(ROW_REGS):  # constant trip count: unrolled, the loads issued together
+            j = tid + k * step
+            kept[k] = x[row, j] if j < width else float32(0.0)
+            kept_weight[k] = weight[j] if j < width else float32(0.0)
         partial = float32(0.0)
-        for start in range(cuda.threadIdx.x, width, step * LOADS_AHEAD):
-            for u in range(LOADS_AHEAD):  # constant trip count: unrolled, the loads issued together
-                j = start + u * step
-                ahead[u] = x[row, j] if j < width else float32(0.0)
-            for u in range(LOADS_AHEAD):
-                partial += ahead[u] * ahead[u]
+        for k in range(ROW_REGS):
+            partial += kept[k] * kept[k]
+        for j in range(tid + ROW_REGS * step, width, step):
+            partial += x[row, j] * x[row, j]
         inv = inverse_rms(block_sum(partial, scratch), width, eps)  # block_sum syncs: x read before out written
-        for j in range(cuda.threadIdx.x, width, step):
+        for k in range(ROW_REGS):
+            j = tid + k * step
+            if j < width:
+                out[row, j] = kept[k] * inv * kept_weight[k]
+        for j in range(tid + ROW_REGS * step, width, step):
             out[row, j] = x[row, j] * inv * weight[j]
 
 
-@kernel_cache.jit
+@kernel_cache.jit(**COMPILE_OPTIONS)
 def add_rms_norm_kernel(x, residual, weight, eps, out):
     """residual += x, then out = rms_norm(residual) * weight. x, residual, out float32 [s, d];
     grid (row_blocks(s),), grid-stride over rows."""
     scratch = cuda.shared.array(NORM_THREADS, float32)
-    ahead = cuda.local.array(LOADS_AHEAD, float32)
-    width, step = x.shape[1], cuda.blockDim.x
+    kept = cuda.local.array(ROW_REGS, float32)
+    kept_weight = cuda.local.array(ROW_REGS, float32)
+    width, step, tid = x.shape[1], cuda.blockDim.x, cuda.threadIdx.x
     for row in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
+        for k in range(ROW_REGS):
+            j = tid + k * step
+            kept[k] = residual[row, j] + x[row, j] if j < width else float32(0.0)
+            kept_weight[k] = weight[j] if j < width else float32(0.0)
         partial = float32(0.0)
-        for start in range(cuda.threadIdx.x, width, step * LOADS_AHEAD):
-            for u in range(LOADS_AHEAD):
-                j = start + u * step
-                ahead[u] = residual[row, j] + x[row, j] if j < width else float32(0.0)
-            for u in range(LOADS_AHEAD):
-                j = start + u * step
-                if j < width:
-                    residual[row, j] = ahead[u]  # each thread re-reads only its own columns below
-                partial += ahead[u] * ahead[u]
+        for k in range(ROW_REGS):
+            j = tid + k * step
+            if j < width:
+                residual[row, j] = kept[k]
+            partial += kept[k] * kept[k]
+        for j in range(tid + ROW_REGS * step, width, step):
+            value = residual[row, j] + x[row, j]
+            residual[row, j] = value  # each thread re-reads only its own columns below
+            partial += value * value
         inv = inverse_rms(block_sum(partial, scratch), width, eps)
-        for j in range(cuda.threadIdx.x, width, step):
+        for k in range(ROW_REGS):
+            j = tid + k * step
+            if j < width:
+                out[row, j] = kept[k] * inv * kept_weight[k]
+        for j in range(tid + ROW_REGS * step, width, step):
             out[row, j] = residual[row, j] * inv * weight[j]
 
 

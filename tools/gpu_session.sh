@@ -25,6 +25,8 @@
 #                                          # launch (AR, oracle B=7..255); then GPU time per kernel at B=63..255
 #     bash tools/gpu_session.sh e2e-tests  # bench e2e, then the unpadded products', stamps' and device steps' tests
 #                                          # and the k2-mini invariance test (WITH_FP32=1: and fp32 k2-mini == golden)
+#     bash tools/gpu_session.sh ar-kernels  # the small kernels of an AR step: the invariant attention's launch shapes
+#                                          # (sweep), the norms', router's and attention's GPU tests, then e2e-tests
 #     bash tools/gpu_session.sh steps-profile  # bench e2e, then GPU time per kernel of AR and oracle B=7 / 63 / 255
 #     bash tools/gpu_session.sh moe-graphs  # kdtree bench moe, then the tensor-core experts' launch shapes at K2's
 #                                          # 384 experts as graph replays (MOE_CONFIGS: which, e.g. t0,t8)
@@ -33,7 +35,7 @@
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|steps-profile|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|ar-kernels|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|steps-profile|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -165,6 +167,13 @@ e2e-tests)
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Error" "$log" | head -20
     grep -a -E "^e2e " "$log" | cut -c1-230
     ;;
+ar-kernels)
+    step attention-shapes 200 python3 -W ignore -m tools.sweeps.attention_invariant
+    step kernel-tests 200 python3 -m pytest -q -m gpu tests/kernels/test_attention_invariant.py \
+        tests/kernels/test_attention_gpu.py::test_norms_at_hidden_size "tests/kernels/test_moe.py::test_router_matches_reference"
+    grep -a -E "^[a-z0-9 ]+ +regs|^best|CHECKS|all checks|^FAILED" "$log" | cut -c1-170
+    bash "$0" e2e-tests
+    ;;
 steps-profile)
     step bench-e2e 290 "${kdtree[@]}" bench e2e
     step profile-kernels 240 python3 -W ignore tools/step_profile.py --kernels --budgets 7,63,255 --top "${TOP:-16}"
@@ -190,7 +199,7 @@ print(runner.format_table(spec.run(temperatures=t, budgets=tuple(int(x) for x in
     tail -n 60 "$log"
     ;;
 *)
-    echo "unknown group $group (record-k2, profile-k2, train, tests, tests-k2, sample, e2e, device-steps, e2e-tests, host-turns, steps-profile, moe-graphs, profile-step, profile-kernels, invariance, experts-tc, experts-tc-e2e, ncu-experts, spec)" >&2
+    echo "unknown group $group (record-k2, ar-kernels, profile-k2, train, tests, tests-k2, sample, e2e, device-steps, e2e-tests, host-turns, steps-profile, moe-graphs, profile-step, profile-kernels, invariance, experts-tc, experts-tc-e2e, ncu-experts, spec)" >&2
     exit 2
     ;;
 esac

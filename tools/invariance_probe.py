@@ -47,7 +47,8 @@ def every_row_count(max_rows: int = 512) -> None:
 def dense_shapes(cfg) -> dict:
     """name -> (in, out) of every dense product of a layer stack like ``cfg``'s."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
-    return {"q_a": (d, cfg.q_lora_rank), "q_b": (cfg.q_lora_rank, h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)),
+    return {"q_a": (d, cfg.q_lora_rank), "q_kv_a": (d, cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+            "q_b": (cfg.q_lora_rank, h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)),
             "kv_a": (d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), "o_proj": (h * cfg.v_head_dim, d),
             "dense gate_up": (d, 2 * cfg.intermediate_size), "dense down": (cfg.intermediate_size, d),
             "shared gate_up": (d, 2 * cfg.moe_intermediate_size), "shared down": (cfg.moe_intermediate_size, d),

@@ -106,13 +106,14 @@ class DeviceModel:
         cat = ops.torch.cat if self._drawn else np.concatenate
         layer = dict(input_norm=ops.upload(w("input_layernorm.weight")),
                      post_norm=ops.upload(w("post_attention_layernorm.weight")),
-                     kv_a=ops.dense_weight(w("self_attn.kv_a_proj_with_mqa.weight")),
                      kv_norm=ops.upload(w("self_attn.kv_a_layernorm.weight")),
                      o_proj=ops.dense_weight(w("self_attn.o_proj.weight")))
         if cfg.q_lora_rank is None:
             layer["q_proj"] = ops.dense_weight(w("self_attn.q_proj.weight"))
-        else:
-            layer["q_a"] = ops.dense_weight(w("self_attn.q_a_proj.weight"))
+            layer["kv_a"] = ops.dense_weight(w("self_attn.kv_a_proj_with_mqa.weight"))
+        else:  # q_a and kv_a read the same input: one product [s, q_lora_rank + c + r]
+            layer["q_kv_a"] = ops.dense_weight(cat([w("self_attn.q_a_proj.weight"),
+                                                    w("self_attn.kv_a_proj_with_mqa.weight")]))
             layer["q_norm"] = ops.upload(w("self_attn.q_a_layernorm.weight"))
             layer["q_b"] = ops.dense_weight(w("self_attn.q_b_proj.weight"))
         w_uk, w_uv = split_kv_b(cfg, w("self_attn.kv_b_proj.weight"))  # [h, n, c], [h, v, c] float64, exact
@@ -306,14 +307,17 @@ class DeviceModel:
         s = normed.shape[0]
         if cfg.q_lora_rank is None:
             q = ops.linear(normed, layer["q_proj"])
+            kv_a = ops.linear(normed, layer["kv_a"])
         else:
-            q_a = rmsnorm.rms_norm(ops.linear(normed, layer["q_a"]), layer["q_norm"], eps, stream=stream)
+            q_kv_a = ops.linear(normed, layer["q_kv_a"])
+            q_a = rmsnorm.rms_norm(q_kv_a[:, :cfg.q_lora_rank], layer["q_norm"], eps, stream=stream)
             q = ops.linear(q_a, layer["q_b"])
+            kv_a = q_kv_a[:, cfg.q_lora_rank:]
         q = q.reshape(s, h, n + r)
         # One entry per layer: a replay runs all segments, and attention i must read layer i's arrays.
         state[("q_pe", k)] = rope.apply_rope(q[:, :, n:], self.rope, state["positions"], stream=stream)
         state[("q_lat", k)] = ops.heads_matmul(q[:, :, :n], layer["w_uk"], transpose_w=False)  # [s, h, c]
-        state[("kv_a", k)] = ops.linear(normed, layer["kv_a"])
+        state[("kv_a", k)] = kv_a
 
     def _attend(self, i: int, state: dict, kv, prefix, mask, keys, stream) -> None:
         """Layer i's cache write and attention into cache rows kv [layers, t, c + r] from row ``prefix`` on (the

@@ -15,7 +15,9 @@ it, with
 - key ranges of a fixed KEYS_PER_SPLIT compacted keys, so a row's split boundaries depend only on its own key
   count (rows with fewer keys than the launch's longest get empty splits, merged away exactly: an empty
   split's weight is exp(-inf) = 0, and a lone split's is exp(0) = 1);
-- no tensor-core path and no split count chosen from the grid size.
+- no tensor-core path and no split count chosen from the grid size;
+- a launch shape chosen by the token count (invariant_config) among those that keep a row's arithmetic
+  (ROW_ARITHMETIC_FIELDS): blocks of fewer heads for an AR step, so that its 64 rows make more blocks.
 
 P may also be given as an int32 [1] device array (the cache length the device keeps: a captured CUDA graph
 then serves every step of a token count); the grid then holds the splits of the whole cache, those past a
@@ -83,21 +85,56 @@ def visible_keys(visibility, tokens: int, out: VisibleKeys | None = None, stream
     return out
 
 
-def invariant_config(heads: int, prefix_on_device: bool = False) -> DecodeConfig:
-    """The decode kernel's DEFAULT_CONFIG in compact_keys mode with HEADS the largest power of two dividing h
-    (at most DEFAULT_CONFIG.heads): a block never spans two tokens."""
-    block_heads = DEFAULT_CONFIG.heads
+# The DecodeConfig fields that set a row's arithmetic (keys per chunk: the online softmax's rescaling points and
+# its per-lane sums; lanes: the warp sums' tree; fastmath); the others (heads, key_group, value_unroll, threads,
+# blocks_per_sm) only say which thread computes which head's products and when its loads are issued, so every
+# launch shape that keeps these gives a row the same bits.
+ROW_ARITHMETIC_FIELDS = ("keys", "lanes", "fastmath")
+# Launch shapes by query tokens (invariant_config): (fewer tokens than this, shape), the first that fits. An AR
+# step's 64 rows make more blocks with fewer heads a block; a verify's many rows fill the GPU anyway and run
+# best in small blocks, several an SM (sweep: python3 -m tools.sweeps.attention_invariant; BENCHMARKS.md).
+if ON_SIMULATOR:  # three shapes that differ the same ways, at the simulator's sizes
+    LAUNCH_SHAPES = ((4, DEFAULT_CONFIG._replace(heads=1, value_unroll=3)), (32, DEFAULT_CONFIG),
+                     (None, DEFAULT_CONFIG._replace(threads=DEFAULT_CONFIG.lanes, value_unroll=1)))
+else:
+    LAUNCH_SHAPES = (
+        (4, DEFAULT_CONFIG._replace(heads=2, value_unroll=8, threads=512)),
+        (32, DEFAULT_CONFIG._replace(heads=4, value_unroll=8)),
+        (None, DEFAULT_CONFIG._replace(heads=4, value_unroll=8, threads=128, blocks_per_sm=3)),
+    )
+
+
+def launch_shape(tokens: int) -> DecodeConfig:
+    """The launch shape of LAUNCH_SHAPES for ``tokens`` query tokens."""
+    return next(shape for bound, shape in LAUNCH_SHAPES if bound is None or tokens < bound)
+
+
+def invariant_config(heads: int, tokens: int = 1, prefix_on_device: bool = False,
+                     shape: DecodeConfig | None = None) -> DecodeConfig:
+    """The decode kernel's config in compact_keys mode for ``tokens`` query tokens: ``shape`` (None: the launch
+    shape for that many tokens, launch_shape) with HEADS the largest power of two dividing
+    h (at most the shape's): a block never spans two tokens. ValueError if ``shape`` changes a row's arithmetic
+    (ROW_ARITHMETIC_FIELDS differ from DEFAULT_CONFIG's)."""
+    if shape is None:
+        shape = launch_shape(tokens)
+    changed = [name for name in ROW_ARITHMETIC_FIELDS if getattr(shape, name) != getattr(DEFAULT_CONFIG, name)]
+    if changed:
+        raise ValueError(f"a batch-invariant launch shape must keep DEFAULT_CONFIG's {', '.join(changed)}")
+    block_heads = shape.heads
     while heads % block_heads:
         block_heads //= 2
-    return DEFAULT_CONFIG._replace(heads=block_heads, compact_keys=True, prefix_on_device=prefix_on_device)
+    key_group = min(shape.key_group, shape.lanes // block_heads)  # heads * key_group <= lanes
+    return shape._replace(heads=block_heads, key_group=key_group, compact_keys=True,
+                          prefix_on_device=prefix_on_device)
 
 
 def mla_attention_invariant(q_lat, q_pe, cache_layer, prefix_len, visibility, scale: float, keys=None,
-                            out=None, stream=0):
+                            out=None, stream=0, shape: DecodeConfig | None = None):
     """o_lat float32 [s, h, c] (device), batch-invariant (module docstring). Arguments as
     mla_attention.mla_attention, but prefix_len may be an int32 [1] device array (read by the kernel; the
     caller vouches that P + s rows fit the cache); ``keys``: the VisibleKeys of this visibility (visible_keys),
-    computed here when None (a forward computes it once for all its layers)."""
+    computed here when None (a forward computes it once for all its layers); ``shape``: a launch shape for
+    invariant_config (None: the one for this many tokens; any shape gives the same bits)."""
     on_device = is_device_scalar(prefix_len, "prefix_len")
     q_lat, q_pe, cache_layer, visibility, out = checked_inputs(q_lat, q_pe, cache_layer, 0 if on_device else prefix_len,
                                                                visibility, out, stream, latent_limits=True,
@@ -108,5 +145,5 @@ def mla_attention_invariant(q_lat, q_pe, cache_layer, prefix_len, visibility, sc
     if keys is None:
         keys = visible_keys(visibility, tokens, stream=stream)
     total_keys = cache_layer.shape[0] if on_device else prefix_len + tokens
-    return launch_decode(invariant_config(heads, on_device), q_lat, q_pe, cache_layer, prefix_len, visibility,
+    return launch_decode(invariant_config(heads, tokens, on_device, shape), q_lat, q_pe, cache_layer, prefix_len, visibility,
                          keys.rows, keys.counts, scale, KEYS_PER_SPLIT, total_keys, out, stream)

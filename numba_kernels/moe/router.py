@@ -26,6 +26,9 @@ from kdspec.numba_kernels.reductions import INT32_MAX, block_argmax, block_sum
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, row_blocks
 
 ROUTER_THREADS = 8 if ON_SIMULATOR else 256   # a power of two (block_argmax)
+# Routing from logits is k rounds of block_argmax (each syncs the block a few times): one warp a token keeps those
+# rounds warp-local. Its result is exact whatever the block width (comparisons; thread 0 sums the weights).
+SELECT_THREADS = 8 if ON_SIMULATOR else 32
 MAX_EXPERTS = 1024                             # shared-memory capacity of one block
 NEG_INF = -math.inf
 
@@ -112,8 +115,8 @@ def _route_from_logits(logits, bias, has_bias, n_group, topk_group, norm, scale,
     score = cuda.shared.array(MAX_EXPERTS, float32)
     biased = cuda.shared.array(MAX_EXPERTS, float32)
     group_scores = cuda.shared.array(MAX_EXPERTS, float32)
-    scratch = cuda.shared.array(ROUTER_THREADS, float32)
-    scratch_ids = cuda.shared.array(ROUTER_THREADS, int32)
+    scratch = cuda.shared.array(SELECT_THREADS, float32)
+    scratch_ids = cuda.shared.array(SELECT_THREADS, int32)
     n_experts = logits.shape[1]
     for token in range(cuda.blockIdx.x, logits.shape[0], cuda.gridDim.x):  # block-uniform: syncs inside
         for j in range(cuda.threadIdx.x, n_experts, cuda.blockDim.x):
@@ -206,7 +209,7 @@ def route_experts(logits, bias, *, k, n_group=1, topk_group=1, norm_topk_prob=Tr
     bias, has_bias, out_ids, out_weights = _prepare(s, n_experts, bias, k, n_group, topk_group, out_ids,
                                                     out_weights, stream)
     if s:
-        _route_from_logits[row_blocks(s), ROUTER_THREADS, stream](
+        _route_from_logits[row_blocks(s), SELECT_THREADS, stream](
             logits, bias, has_bias, n_group, topk_group, bool(norm_topk_prob), float(routed_scaling_factor),
             out_ids, out_weights)
     return out_ids, out_weights

@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("sweep", ["tree", "moe", "attention"])
+@pytest.mark.parametrize("sweep", ["tree", "moe", "attention", "attention_invariant"])
 def test_sweep_runs_and_all_checks_pass_on_the_simulator(sweep):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     done = subprocess.run([sys.executable, "-m", f"tools.sweeps.{sweep}", "--sim"], cwd=REPO_ROOT, env=env,

@@ -38,11 +38,14 @@ def k2_table():
     return rope_table(K2)
 
 
-def test_norms_at_hidden_size():
-    rng = np.random.default_rng(0)
-    x, residual, w = normal(rng, 64, K2.hidden_size), normal(rng, 64, K2.hidden_size), normal(rng, K2.hidden_size)
+@pytest.mark.parametrize("width", [K2.kv_lora_rank, K2.hidden_size, 9000])  # 9000: past the registers' 8192
+def test_norms_at_hidden_size(width):
+    rng = np.random.default_rng(width)
+    x, residual, w = normal(rng, 64, width), normal(rng, 64, width), normal(rng, width)
     out = rms_norm(x, w, K2.rms_norm_eps, out=poisoned(x.shape)).copy_to_host()
     assert_close(out, ref.rms_norm(x, w, K2.rms_norm_eps))
+    alone = rms_norm(x[5:6], w, K2.rms_norm_eps, out=poisoned((1, width))).copy_to_host()
+    assert np.array_equal(alone.view(np.uint32), out[5:6].view(np.uint32))  # a row's bits: any row count
     residual_dev = cuda.to_device(residual)
     out = add_rms_norm(x, residual_dev, w, K2.rms_norm_eps, out=poisoned(x.shape)).copy_to_host()
     np.testing.assert_array_equal(residual_dev.copy_to_host(), residual + x)

@@ -18,6 +18,8 @@ from kdspec.numba_kernels.attention.common import pack_visibility
 from kdspec.numba_kernels.attention.decode import DEFAULT_CONFIG
 from kdspec.numba_kernels.attention.invariant import (
     KEYS_PER_SPLIT,
+    LAUNCH_SHAPES,
+    launch_shape,
     invariant_config,
     mla_attention_invariant,
     visible_keys,
@@ -35,10 +37,10 @@ def inputs(rng, tokens, heads, latent, rope, prefix, spare_rows=3):
     return normal(rng, tokens, heads, latent), normal(rng, tokens, heads, rope), cache
 
 
-def verify(q_lat, q_pe, cache, prefix, visible):
+def verify(q_lat, q_pe, cache, prefix, visible, shape=None):
     tokens, heads, latent = q_lat.shape
     return mla_attention_invariant(q_lat, q_pe, cache, prefix, pack_visibility(visible), SCALE,
-                                   out=poisoned((tokens, heads, latent))).copy_to_host()
+                                   out=poisoned((tokens, heads, latent)), shape=shape).copy_to_host()
 
 
 def ar_step(q_lat, q_pe, cache, prefix, visible, node):
@@ -80,6 +82,16 @@ def test_invariant_attention_matches_reference(tokens, heads, latent, rope, pref
     assert_close(verify(q_lat, q_pe, cache, prefix, visible), expected, 1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, prefix", [(1, 100), (1, KEYS_PER_SPLIT + 70), (64, 100)])
+def test_k2_dims_launch_shapes_give_a_row_the_same_bits(tokens, prefix):
+    D = DEFAULT_CONFIG
+    shapes = [shape for _, shape in LAUNCH_SHAPES] + [D._replace(heads=1, value_unroll=16),
+              D._replace(heads=2, value_unroll=8, threads=128), D._replace(heads=16, key_group=2)]
+    assert_every_shape_gives_the_same_bits(np.random.default_rng(tokens + prefix), tokens, 64, 512, 64, prefix,
+                                           shapes)
+
+
 @pytest.mark.sim
 @pytest.mark.parametrize("tokens, heads, prefix", [
     (12, 2, 5),                    # one split for everyone
@@ -109,6 +121,33 @@ def test_prefix_on_the_device_gives_the_same_bits(tokens, prefix, spare):
                                 pack_visibility(visible), SCALE)
 
 
+def assert_every_shape_gives_the_same_bits(rng, tokens, heads, latent, rope, prefix, shapes):
+    visible = random_tree_visibility(tokens, rng)
+    q_lat, q_pe, cache = inputs(rng, tokens, heads, latent, rope, prefix)
+    default = verify(q_lat, q_pe, cache, prefix, visible, shape=DEFAULT_CONFIG)
+    assert np.isfinite(default).all()
+    for shape in shapes:
+        result = verify(q_lat, q_pe, cache, prefix, visible, shape=shape)
+        assert np.array_equal(result.view(np.uint32), default.view(np.uint32)), shape
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("tokens, prefix", [(1, 13), (5, KEYS_PER_SPLIT - 2)])
+def test_launch_shapes_give_a_row_the_same_bits(tokens, prefix):
+    """The shapes invariant_config may pick differ in heads a block, key groups, value loads in flight and
+    threads: none of them changes a row's arithmetic, so the AR step's shape and a verify's agree."""
+    shapes = [shape for _, shape in LAUNCH_SHAPES] + [DEFAULT_CONFIG._replace(heads=1, value_unroll=1),
+              DEFAULT_CONFIG._replace(heads=4, key_group=2, threads=DEFAULT_CONFIG.lanes, value_unroll=3)]
+    assert_every_shape_gives_the_same_bits(np.random.default_rng(tokens), tokens, 4, 16, 4, prefix, shapes)
+
+
+@pytest.mark.sim
+def test_a_shape_that_changes_a_rows_arithmetic_is_refused():
+    for change in (dict(keys=2 * DEFAULT_CONFIG.keys), dict(fastmath=True)):
+        with pytest.raises(ValueError, match="must keep DEFAULT_CONFIG"):
+            invariant_config(4, shape=DEFAULT_CONFIG._replace(**change))
+
+
 @pytest.mark.sim
 def test_visible_key_table():
     rng = np.random.default_rng(3)
@@ -124,11 +163,14 @@ def test_visible_key_table():
 
 @pytest.mark.sim
 def test_block_heads_are_the_largest_power_of_two_dividing_the_heads():
-    for heads in (1, 2, 3, 5, 6, 12, 64, 128):
-        config = invariant_config(heads)
-        block = config.heads
-        assert config.compact_keys and heads % block == 0 and block <= DEFAULT_CONFIG.heads
-        assert 2 * block > DEFAULT_CONFIG.heads or heads % (2 * block), (heads, block)
+    for tokens in (1, 4, 31, 32, 257):
+        shape = launch_shape(tokens)
+        for heads in (1, 2, 3, 5, 6, 12, 64, 128):
+            config = invariant_config(heads, tokens)
+            block = config.heads
+            assert config.compact_keys and heads % block == 0 and block <= shape.heads
+            assert 2 * block > shape.heads or heads % (2 * block), (heads, block)
+            config.check()
 
 
 @pytest.mark.sim
@@ -148,3 +190,13 @@ def test_k2_dims_rows_equal_their_ar_steps_and_the_reference(tokens, prefix):
     full = np.concatenate([np.ones((tokens, prefix), bool), visible], axis=1)
     expected = mla_attention_latent(q_lat, q_pe, keys[:, :512], keys[:, 512:], full, SCALE)
     assert_close(verify(q_lat, q_pe, cache, prefix, visible), expected, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, prefix", [(1, 100), (1, KEYS_PER_SPLIT + 70), (64, 100)])
+def test_k2_dims_launch_shapes_give_a_row_the_same_bits(tokens, prefix):
+    D = DEFAULT_CONFIG
+    shapes = [shape for _, shape in LAUNCH_SHAPES] + [D._replace(heads=1, value_unroll=16),
+              D._replace(heads=2, value_unroll=8, threads=128), D._replace(heads=16, key_group=2)]
+    assert_every_shape_gives_the_same_bits(np.random.default_rng(tokens + prefix), tokens, 64, 512, 64, prefix,
+                                           shapes)
