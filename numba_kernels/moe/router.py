@@ -22,13 +22,10 @@ from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array as as_device
 from kdspec.numba_kernels.host_arrays import check_array, weight_view
 from kdspec.numba_kernels.moe.experts import load_pair_bf16, load_pair_f32
-from kdspec.numba_kernels.reductions import INT32_MAX, block_argmax, block_sum
+from kdspec.numba_kernels.reductions import block_sum
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, row_blocks
 
-ROUTER_THREADS = 8 if ON_SIMULATOR else 256   # a power of two (block_argmax)
-# Routing from logits is k rounds of block_argmax (each syncs the block a few times): one warp a token keeps those
-# rounds warp-local. Its result is exact whatever the block width (comparisons; thread 0 sums the weights).
-SELECT_THREADS = 8 if ON_SIMULATOR else 32
+ROUTER_THREADS = 8 if ON_SIMULATOR else 256   # a power of two (block_sum)
 MAX_EXPERTS = 1024                             # shared-memory capacity of one block
 NEG_INF = -math.inf
 
@@ -42,10 +39,10 @@ def router_options(cfg) -> dict:
 
 
 @device_function()
-def _select_experts(token, score, biased, n_experts, n_group, topk_group, norm, scale, group_scores, scratch,
-                    scratch_ids, expert_ids, expert_weights):
-    """Group mask, top-k and weights for one token from shared score/biased [e] (biased is overwritten).
-    Called by every thread of the block after score and biased are stored and synchronised."""
+def _select_experts(token, score, biased, n_experts, n_group, topk_group, norm, scale, group_scores, expert_ids,
+                    expert_weights):
+    """Group mask, top-k and weights for one token from shared score/biased [e] (dropped groups' biased set to
+    -inf). Called by every thread of the block after score and biased are stored and synchronised."""
     tid = cuda.threadIdx.x
     width = cuda.blockDim.x
     k = expert_ids.shape[1]
@@ -74,20 +71,20 @@ def _select_experts(token, score, biased, n_experts, n_group, topk_group, norm, 
                 for j in range(g * group_size, (g + 1) * group_size):
                     biased[j] = NEG_INF
         cuda.syncthreads()  # dropped groups are masked before the top-k scans
-    for slot in range(k):
-        best = float32(NEG_INF)
-        best_j = int32(INT32_MAX)
-        for j in range(tid, n_experts, width):  # ascending j with strict > : ties keep the lower index
-            if biased[j] > best:
-                best = biased[j]
-                best_j = int32(j)
-        best, best_j = block_argmax(best, best_j, scratch, scratch_ids)
-        if tid == 0:
-            # INT32_MAX only if every candidate was -inf (launchers make k <= the experts left)
-            expert_ids[token, slot] = best_j if best_j < n_experts else -1
-            if best_j < n_experts:
-                biased[best_j] = NEG_INF
-        cuda.syncthreads()  # the pick is masked before the next scan
+    # Top-k by rank: an expert's rank is the number of experts before it (a higher biased score, or the same one
+    # at a lower index), and those of rank < k fill the slots in rank order. These are the picks of k rounds of
+    # argmax with ties to the lower index, without a block reduction (and its syncs) per slot. An expert at -inf
+    # (a dropped group; NaN counts as -inf) is no pick: its slot gets -1, as a round finding no candidate would.
+    for j in range(tid, n_experts, width):
+        mine = biased[j] if biased[j] == biased[j] else float32(NEG_INF)
+        rank = 0
+        for other_j in range(n_experts):
+            other = biased[other_j] if biased[other_j] == biased[other_j] else float32(NEG_INF)
+            if other > mine or (other == mine and other_j < j):
+                rank += 1
+        if rank < k:
+            expert_ids[token, rank] = int32(j) if mine > NEG_INF else int32(-1)
+    cuda.syncthreads()  # every slot written before thread 0 reads them
     if tid == 0:
         total = float32(0.0)
         for slot in range(k):
@@ -115,15 +112,13 @@ def _route_from_logits(logits, bias, has_bias, n_group, topk_group, norm, scale,
     score = cuda.shared.array(MAX_EXPERTS, float32)
     biased = cuda.shared.array(MAX_EXPERTS, float32)
     group_scores = cuda.shared.array(MAX_EXPERTS, float32)
-    scratch = cuda.shared.array(SELECT_THREADS, float32)
-    scratch_ids = cuda.shared.array(SELECT_THREADS, int32)
     n_experts = logits.shape[1]
     for token in range(cuda.blockIdx.x, logits.shape[0], cuda.gridDim.x):  # block-uniform: syncs inside
         for j in range(cuda.threadIdx.x, n_experts, cuda.blockDim.x):
             _store_score(j, logits[token, j], bias, has_bias, score, biased)
         cuda.syncthreads()  # all scores stored before selection reads them
-        _select_experts(token, score, biased, n_experts, n_group, topk_group, norm, scale, group_scores, scratch,
-                        scratch_ids, expert_ids, expert_weights)
+        _select_experts(token, score, biased, n_experts, n_group, topk_group, norm, scale, group_scores, expert_ids,
+                        expert_weights)
         cuda.syncthreads()  # thread 0 has read this token's scores before the next token overwrites them
 
 
@@ -138,7 +133,6 @@ def _make_route_from_hidden(load_pair):
         biased = cuda.shared.array(MAX_EXPERTS, float32)
         group_scores = cuda.shared.array(MAX_EXPERTS, float32)
         scratch = cuda.shared.array(ROUTER_THREADS, float32)
-        scratch_ids = cuda.shared.array(ROUTER_THREADS, int32)
         tid = cuda.threadIdx.x
         n_experts = gate_weight.shape[1]
         n_words = x.shape[1] // 2
@@ -153,7 +147,7 @@ def _make_route_from_hidden(load_pair):
                     _store_score(j, logit, bias, has_bias, score, biased)
             cuda.syncthreads()  # all scores stored before selection reads them
             _select_experts(token, score, biased, n_experts, n_group, topk_group, norm, scale, group_scores,
-                            scratch, scratch_ids, expert_ids, expert_weights)
+                            expert_ids, expert_weights)
             cuda.syncthreads()  # thread 0 has read this token's scores before the next token overwrites them
     return route_from_hidden
 
@@ -209,7 +203,7 @@ def route_experts(logits, bias, *, k, n_group=1, topk_group=1, norm_topk_prob=Tr
     bias, has_bias, out_ids, out_weights = _prepare(s, n_experts, bias, k, n_group, topk_group, out_ids,
                                                     out_weights, stream)
     if s:
-        _route_from_logits[row_blocks(s), SELECT_THREADS, stream](
+        _route_from_logits[row_blocks(s), ROUTER_THREADS, stream](
             logits, bias, has_bias, n_group, topk_group, bool(norm_topk_prob), float(routed_scaling_factor),
             out_ids, out_weights)
     return out_ids, out_weights

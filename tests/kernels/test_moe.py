@@ -161,6 +161,13 @@ def test_router_ties_go_to_lower_index():
 
 
 @pytest.mark.sim
+def test_router_never_picks_a_nan_score():
+    logits = np.array([[np.nan, 0.2, 1.0, 0.5], [0.3, np.nan, np.nan, 0.3]], np.float32)
+    ids, _ = route_experts(logits, None, k=2, norm_topk_prob=True, routed_scaling_factor=1.0)
+    np.testing.assert_array_equal(ids.copy_to_host(), [[2, 3], [0, 3]])
+
+
+@pytest.mark.sim
 def test_router_group_score_is_top2_sum_not_max():
     # group 0 = (0, 1) has the single best expert; group 1 = (2, 3) has the larger top-2 sum.
     logits = np.array([[3.0, -3.0, 1.0, 1.0]], np.float32)
