@@ -28,6 +28,8 @@ from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function
 
 THREADS = 16 if ON_SIMULATOR else 256  # most threads a block: column pairs x K groups
 MANY_ROWS = 2 if ON_SIMULATOR else 8   # rows a block from this many tokens on (fewer: one row a block)
+SUMS = 2 * MANY_ROWS                   # a thread's sums at most: two columns x its rows
+PARTIAL_SUMS = SUMS * THREADS          # a block's sums, as the K groups hand them over
 
 if ON_SIMULATOR:
     @device_function(inline=True)
@@ -55,8 +57,8 @@ def _kernel(rows: int, bf16: bool):
     def heads_matmul_kernel(x, w, groups, out):
         """x float32 [s, h, A]; w [h, A, B] (fp32, or bf16 bits as uint32 pairs [h, A, B/2]); groups: K groups;
         out float32 [s, h, B]. Grid (h, ceil(s / R)), block pairs x groups threads."""
-        partial = cuda.shared.array(2 * MANY_ROWS * THREADS, float32)  # [group, pair, 2R]
-        acc = cuda.local.array(2 * MANY_ROWS, float32)
+        partial = cuda.shared.array(PARTIAL_SUMS, float32)  # [group, pair, 2R]
+        acc = cuda.local.array(SUMS, float32)
         head, row0, tid = cuda.blockIdx.x, cuda.blockIdx.y * R, cuda.threadIdx.x
         tokens, width_in, pairs = x.shape[0], x.shape[2], out.shape[2] // 2
         group = tid // pairs
