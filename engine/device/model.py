@@ -1,9 +1,9 @@
 """The device model: the whole forward on the Numba kernels (backend ``cuda`` on a GPU, ``sim`` under the CUDA
 simulator), implementing the model protocol of docs/architecture.md.
 
-Dense projections (q/kv/o projections, the per-head absorb products outside batch-invariant mode, the dense
-and shared-expert GEMMs, the router GEMM and the LM head) go through a vendor BLAS: cuBLAS via torch on
-``cuda``, numpy's BLAS on host copies under ``sim``. Everything else is Numba: embedding, RMSNorm (residual add fused), RoPE, the KV cache
+Dense projections (q/kv/o projections, the per-head absorb products, the dense and shared-expert GEMMs, the
+router GEMM and the LM head) go through a vendor BLAS: cuBLAS via torch on ``cuda``, numpy's BLAS on host
+copies under ``sim``. Everything else is Numba: embedding, RMSNorm (residual add fused), RoPE, the KV cache
 write, MLA attention, the MoE router, the grouped routed experts, SiLU-mul, compaction (tree_ops.py: argmax /
 sampling / tree build / accept). ops.py holds the two backends' dense products, cache.py the KV cache,
 logits.py the logits left on the device.
@@ -14,8 +14,7 @@ e experts, f moe_intermediate_size. Activations are float32; the cache is one ar
 Batch invariance (on by default with bf16 weights): every row of a forward gets the bits it would get in a
 forward of any other number of rows, so a tree-verify forward equals the 1-row AR forwards of each node's path
 bit for bit and DDTree's output is the engine's own AR output in bf16 too. The dense products run at one fixed
-row count (ops.TorchOps' fixed_rows), the per-head absorb products on numba_kernels/heads_matmul.py (one fixed
-order a row), attention through attention/invariant.py (keys in compacted order);
+row count (ops.TorchOps' fixed_rows), attention through attention/invariant.py (keys in compacted order);
 everything else is per row already (norms, RoPE, router). The routed experts of the batch-invariant bf16 model
 run on the tensor cores (``tensor_core_experts``, on by default there when d and f are multiples of 32:
 moe/experts_tc.py, bf16 activations as the dense products have; their launch shape follows the token count
@@ -37,7 +36,6 @@ from kdspec.engine.model.config import ModelConfig
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.engine.model.weights import SeededWeights, check_weights
 from kdspec.numba_kernels import embedding, kv_write, rmsnorm, rope
-from kdspec.numba_kernels import heads_matmul as per_head
 from kdspec.numba_kernels.attention.common import causal_visibility, pack_visibility
 from kdspec.numba_kernels.attention.dispatch import mla_attention
 from kdspec.numba_kernels.attention.invariant import mla_attention_invariant, visible_keys
@@ -119,12 +117,8 @@ class DeviceModel:
             layer["q_norm"] = ops.upload(w("self_attn.q_a_layernorm.weight"))
             layer["q_b"] = ops.dense_weight(w("self_attn.q_b_proj.weight"))
         w_uk, w_uv = split_kv_b(cfg, w("self_attn.kv_b_proj.weight"))  # [h, n, c], [h, v, c] float64, exact
-        if self.batch_invariant:  # numba_kernels/heads_matmul.py's layout: [h, a, b], W_UV transposed
-            layer["w_uk"] = self._per_head_weight(w_uk, transpose=False)
-            layer["w_uv_t"] = self._per_head_weight(w_uv, transpose=True)
-        else:
-            layer["w_uk"] = ops.dense_weight(w_uk if self._drawn else np.asarray(w_uk, dtype=np.float32))
-            layer["w_uv"] = ops.dense_weight(w_uv if self._drawn else np.asarray(w_uv, dtype=np.float32))
+        layer["w_uk"] = ops.dense_weight(w_uk if self._drawn else np.asarray(w_uk, dtype=np.float32))
+        layer["w_uv"] = ops.dense_weight(w_uv if self._drawn else np.asarray(w_uv, dtype=np.float32))
         if cfg.is_moe_layer(i):
             names = lambda parts: [[f"{p}mlp.experts.{e}.{n}.weight" for n in parts]  # noqa: E731
                                    for e in range(cfg.n_routed_experts)]
@@ -140,17 +134,6 @@ class DeviceModel:
             layer["ffn_gate_up"] = ops.dense_weight(cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
             layer["ffn_down"] = ops.dense_weight(w("mlp.down_proj.weight"))
         return layer
-
-    def _per_head_weight(self, w, transpose: bool):
-        """A per-head weight [h, a, b] for heads_matmul on the device (bf16 bits or float32, as the model's
-        weights), from w [h, a, b], or [h, b, a] with ``transpose``; w a host array or a torch tensor (drawn)."""
-        bf16 = self.weight_dtype == "bfloat16"
-        if self._drawn:
-            torch = self.ops.torch
-            w = w.transpose(1, 2) if transpose else w
-            return self.ops.device_view(w.to("cuda", torch.bfloat16 if bf16 else torch.float32).contiguous())
-        w = np.asarray(w, dtype=np.float32)
-        return self.ops.upload(np.ascontiguousarray(np.swapaxes(w, 1, 2) if transpose else w), bf16)
 
     def _upload_stacked(self, weight, names: list[list[str]]):
         """Device [e, rows, cols] (float32, or bf16 bits as uint16) from each expert's row blocks ``names[e]``
@@ -306,8 +289,7 @@ class DeviceModel:
         else:
             layer = self.layers[k - 1]
             s = state["o_lat"].shape[0]
-            o = (per_head.heads_matmul(state["o_lat"], layer["w_uv_t"], stream=stream) if self.batch_invariant
-                 else ops.heads_matmul(state["o_lat"], layer["w_uv"], transpose_w=True))  # [s, h, v]
+            o = ops.heads_matmul(state["o_lat"], layer["w_uv"], transpose_w=True)  # [s, h, v]
             attn = ops.linear(o.reshape(s, cfg.num_attention_heads * cfg.v_head_dim), layer["o_proj"])
             normed = rmsnorm.add_rms_norm(attn, state["residual"], layer["post_norm"], eps, stream=stream)
             delta = (self._moe(layer, normed, stream) if cfg.is_moe_layer(k - 1)
@@ -334,8 +316,7 @@ class DeviceModel:
         q = q.reshape(s, h, n + r)
         # One entry per layer: a replay runs all segments, and attention i must read layer i's arrays.
         state[("q_pe", k)] = rope.apply_rope(q[:, :, n:], self.rope, state["positions"], stream=stream)
-        state[("q_lat", k)] = (per_head.heads_matmul(q[:, :, :n], layer["w_uk"], stream=stream)  # [s, h, c]
-                               if self.batch_invariant else ops.heads_matmul(q[:, :, :n], layer["w_uk"], transpose_w=False))
+        state[("q_lat", k)] = ops.heads_matmul(q[:, :, :n], layer["w_uk"], transpose_w=False)  # [s, h, c]
         state[("kv_a", k)] = kv_a
 
     def _attend(self, i: int, state: dict, kv, prefix, mask, keys, stream) -> None:
