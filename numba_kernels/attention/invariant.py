@@ -145,5 +145,6 @@ def mla_attention_invariant(q_lat, q_pe, cache_layer, prefix_len, visibility, sc
     if keys is None:
         keys = visible_keys(visibility, tokens, stream=stream)
     total_keys = cache_layer.shape[0] if on_device else prefix_len + tokens
-    return launch_decode(invariant_config(heads, tokens, on_device, shape), q_lat, q_pe, cache_layer, prefix_len, visibility,
-                         keys.rows, keys.counts, scale, KEYS_PER_SPLIT, total_keys, out, stream)
+    config = invariant_config(heads, tokens, on_device, shape)
+    return launch_decode(config, q_lat, q_pe, cache_layer, prefix_len, visibility, keys.rows, keys.counts, scale,
+                         KEYS_PER_SPLIT, total_keys, out, stream)

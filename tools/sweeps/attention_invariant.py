@@ -9,8 +9,9 @@ over the s in-flight rows, as a verify sees them (s = 1: an AR step).
 1. bits: every shape's output (NaN-poisoned first) has the default shape's bits on every row: a launch shape may
    differ only in the fields that do not set a row's arithmetic (invariant.ROW_ARITHMETIC_FIELDS are kept), so
    the engine can pick one by token count and a verify still equals its AR steps;
-2. timing (GPU only; the simulator's wall time means nothing): GPU microseconds of one launch, the median of graph replays of REPLAY_LAUNCHES launches (as the device
-   model runs it, inside its step graphs, without Python's launch time); registers per shape.
+2. timing (the simulator's wall time means nothing): GPU microseconds of one launch, the median of graph replays
+   of REPLAY_LAUNCHES launches (as the device model runs it, inside its step graphs, without Python's launch
+   time); registers per shape.
 The `best s=...` lines are the candidates for invariant.LAUNCH_SHAPES (each token count's shape).
 """
 import os
