@@ -82,16 +82,6 @@ def test_invariant_attention_matches_reference(tokens, heads, latent, rope, pref
     assert_close(verify(q_lat, q_pe, cache, prefix, visible), expected, 1e-5)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens, prefix", [(1, 100), (1, KEYS_PER_SPLIT + 70), (64, 100)])
-def test_k2_dims_launch_shapes_give_a_row_the_same_bits(tokens, prefix):
-    D = DEFAULT_CONFIG
-    shapes = [shape for _, shape in LAUNCH_SHAPES] + [D._replace(heads=1, value_unroll=16),
-              D._replace(heads=2, value_unroll=8, threads=128), D._replace(heads=16, key_group=2)]
-    assert_every_shape_gives_the_same_bits(np.random.default_rng(tokens + prefix), tokens, 64, 512, 64, prefix,
-                                           shapes)
-
-
 @pytest.mark.sim
 @pytest.mark.parametrize("tokens, heads, prefix", [
     (12, 2, 5),                    # one split for everyone
