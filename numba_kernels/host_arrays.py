@@ -19,6 +19,11 @@ def as_device_array(array, name: str = "array"):
     return cuda.to_device(host)
 
 
+def device_address(array) -> int:
+    """The device address of an array's first element (0 under the simulator, where alignment does not matter)."""
+    return 0 if ON_SIMULATOR else (array.device_ctypes_pointer.value or 0)
+
+
 def is_device_array(array) -> bool:
     """True for arrays already on the device (outputs written in place must be)."""
     return hasattr(array, "copy_to_host") or hasattr(array, "__cuda_array_interface__")

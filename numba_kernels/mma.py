@@ -33,6 +33,7 @@ import numpy as np
 from numba import cuda, float32, types, uint32
 
 from kdspec.numba_kernels import kernel_cache
+from kdspec.numba_kernels.host_arrays import device_address
 from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.launch import launcher_for
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, SHARED_LIMIT, device_function, static_for
@@ -679,9 +680,6 @@ def softmax_parts(config: GemmConfig, n: int) -> int:
     return -(-n // config.block_n) * config.warps_n
 
 
-def _address(array) -> int:
-    """The device address of an array's first element (0 under the simulator)."""
-    return 0 if ON_SIMULATOR else (array.device_ctypes_pointer.value or 0)
 
 
 class ScoresFusion(NamedTuple):
@@ -779,7 +777,7 @@ def gemm_tf32x3(a, b, c, n: int, k: int, *, alpha: float = 1.0, b_k_contiguous: 
         return c
     name, key_visible, fusion_args = _fusion_arguments(fusion, config, ops.m, n, k, splits)
     aligned = (ops.lda % 4 == 0 and ops.lda2 % 4 == 0 and ops.ldb % 4 == 0 and ops.k_split % 4 == 0
-               and _address(a) % 16 == 0 and _address(ops.a2) % 16 == 0 and _address(b) % 16 == 0)
+               and device_address(a) % 16 == 0 and device_address(ops.a2) % 16 == 0 and device_address(b) % 16 == 0)
     kernel = gemm_kernel(config, bool(b_k_contiguous), name, key_visible, aligned)
     # arrays go whole (the launcher passes a C-contiguous array as the kernel's flat parameter: no reshapes)
     launcher_for(kernel)(gemm_grid(config, ops.m, n, splits), (config.threads, 1, 1), stream,

@@ -36,7 +36,7 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array as as_device
-from kdspec.numba_kernels.host_arrays import check_array, output, weight_view
+from kdspec.numba_kernels.host_arrays import check_array, device_address, output, weight_view
 from kdspec.numba_kernels.reductions import USE_SHUFFLE, WARP_SIZE
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, row_blocks
 
@@ -619,9 +619,6 @@ def plan_pairs(expert_ids, n_experts: int, plan: ExpertPlan | None = None, strea
     return plan
 
 
-def _address(array) -> int:
-    """Device address of an array's first element (0 under the simulator, where alignment does not matter)."""
-    return 0 if ON_SIMULATOR else array.device_ctypes_pointer.value
 
 
 def word_width(weights, activation, config: ExpertsConfig) -> int:
@@ -632,8 +629,8 @@ def word_width(weights, activation, config: ExpertsConfig) -> int:
         return 1
     cols = 2 * view.shape[2]
     for vec in (8, 4):  # weights: one 2*vec-byte load; activations: 16-byte (vec 8) or 8-byte (vec 4) loads
-        if (vec <= config.max_word and cols % vec == 0 and _address(view) % (2 * vec) == 0
-                and _address(activation) % (2 * vec) == 0):
+        if (vec <= config.max_word and cols % vec == 0 and device_address(view) % (2 * vec) == 0
+                and device_address(activation) % (2 * vec) == 0):
             return vec
     return 2
 

@@ -45,7 +45,8 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from kdspec.numba_kernels import kernel_cache
-from kdspec.numba_kernels.moe.experts import ExpertPlan, _address, load_u64x2, load_u64x2_flat, silu
+from kdspec.numba_kernels.host_arrays import device_address
+from kdspec.numba_kernels.moe.experts import ExpertPlan, load_u64x2, load_u64x2_flat, silu
 from kdspec.numba_kernels.mma import (BF16_SCRATCH_PER_WARP, MAX_SHARED_BYTES, WARP, allow_dynamic_shared, copy16,
                                       copy_commit, copy_wait, float_bits, mma_bf16)
 from kdspec.numba_kernels.runtime import (INLINE_DEVICE, ON_SIMULATOR, SHARED_LIMIT, device_function, row_blocks,
@@ -610,7 +611,7 @@ def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, 
         raise ValueError(f"tensor-core experts need bf16 weights and d, f multiples of {CHUNK} (d={d}, f={f})")
     for name, array in (("x", x), ("act", act), ("pair_out", pair_out), ("w_gate_up", gate_view),
                         ("w_down", down_view)):
-        if _address(array) % 16:
+        if device_address(array) % 16:
             raise ValueError(f"tensor-core experts: {name} must be 16-byte aligned")
     max_active = plan.active_experts.shape[0]
     if max_active == 0:

@@ -18,6 +18,7 @@ from kdspec.numba_kernels.attention.dispatch import attention_path, mla_attentio
 from kdspec.numba_kernels.attention.simt import DEFAULT_CONFIG, MIN_KEYS_PER_SPLIT, TileConfig, default_num_splits
 from kdspec.numba_kernels.embedding import embed_tokens
 from kdspec.numba_kernels.kv_write import write_kv_rows
+from kdspec.numba_kernels import rmsnorm
 from kdspec.numba_kernels.rmsnorm import add_rms_norm, rms_norm
 from kdspec.numba_kernels.rope import apply_rope
 from kdspec.numba_kernels.runtime import ON_SIMULATOR
@@ -63,6 +64,22 @@ def test_add_rms_norm_updates_residual_and_norms_the_sum():
     assert_close(out, ref.rms_norm(residual.astype(np.float64) + x, w, 1e-5))
 
 
+@pytest.mark.parametrize("width", [40, 36])  # past the simulator's 32 columns in registers; quads of 4
+def test_norm_kernels_quads_in_one_access_or_element_by_element_give_the_same_bits(width):
+    rng = np.random.default_rng(width)
+    x, residual, w = normal(rng, 3, width), normal(rng, 3, width), normal(rng, 1, width)
+    outputs = []
+    for vectorized in (True, False):
+        plain, add = rmsnorm.norm_kernels(vectorized)
+        out, added, residual_dev = poisoned(x.shape), poisoned(x.shape), cuda.to_device(residual)
+        plain[1, rmsnorm.NORM_THREADS](cuda.to_device(x), cuda.to_device(w), np.float32(1e-6), out)
+        add[1, rmsnorm.NORM_THREADS](cuda.to_device(x), residual_dev, cuda.to_device(w), np.float32(1e-6), added)
+        outputs.append([a.copy_to_host().view(np.uint32) for a in (out, added, residual_dev)])
+    for vector_output, element_output in zip(*outputs):
+        np.testing.assert_array_equal(vector_output, element_output)
+    assert_close(outputs[0][0].view(np.float32), ref.rms_norm(x, w[0], 1e-6))
+
+
 def test_rms_norm_rejects_bad_inputs():
     x = np.zeros((2, 4), np.float32)
     with pytest.raises(ValueError, match="weight"):
@@ -71,6 +88,8 @@ def test_rms_norm_rejects_bad_inputs():
         rms_norm(x.astype(np.float64), np.ones(4, np.float32), 1e-6)
     with pytest.raises(ValueError, match="device array"):
         add_rms_norm(x, x.copy(), np.ones(4, np.float32), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm(x, cuda.to_device(np.ones(8, np.float32))[::2], 1e-6)
 
 
 # --------------------------------------------------------------------------------------------- RoPE

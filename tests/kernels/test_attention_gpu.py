@@ -16,6 +16,7 @@ from kdspec.numba_kernels.attention.dispatch import mla_attention
 from kdspec.numba_kernels.attention.simt import TileConfig
 from kdspec.numba_kernels.embedding import embed_tokens
 from kdspec.numba_kernels.kv_write import write_kv_rows
+from kdspec.numba_kernels import rmsnorm
 from kdspec.numba_kernels.rmsnorm import add_rms_norm, rms_norm
 from kdspec.numba_kernels.rope import apply_rope
 
@@ -50,6 +51,11 @@ def test_norms_at_hidden_size(width):
     out = add_rms_norm(x, residual_dev, w, K2.rms_norm_eps, out=poisoned(x.shape)).copy_to_host()
     np.testing.assert_array_equal(residual_dev.copy_to_host(), residual + x)
     assert_close(out, ref.rms_norm(residual.astype(np.float64) + x, w, K2.rms_norm_eps))
+    element = poisoned(x.shape)  # the element-by-element kernel (rows not 16-byte aligned) gives the same bits
+    rmsnorm.norm_kernels(False)[0][x.shape[0], rmsnorm.NORM_THREADS](
+        cuda.to_device(x), cuda.to_device(w[None]), np.float32(K2.rms_norm_eps), element)
+    vector = rms_norm(x, w, K2.rms_norm_eps, out=poisoned(x.shape)).copy_to_host()
+    assert np.array_equal(element.copy_to_host().view(np.uint32), vector.view(np.uint32))
 
 
 def test_rope_on_q_view_and_k_pe(k2_table):
