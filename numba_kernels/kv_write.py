@@ -17,6 +17,7 @@ from numba import cuda, float32
 
 from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array, is_device_array, is_device_scalar
+from kdspec.numba_kernels.intrinsics import at, at2, at2_put
 from kdspec.numba_kernels.launch import launch
 from kdspec.numba_kernels.reductions import block_sum
 from kdspec.numba_kernels.rmsnorm import inverse_rms
@@ -39,26 +40,35 @@ def _write_kernel(start_on_device: bool):
         cache_start = first_row(start_arg)
         latent = kv_norm_weight.shape[0]
         pairs = (kv_a.shape[1] - latent) // 2
-        for token in range(cuda.blockIdx.x, kv_a.shape[0], cuda.gridDim.x):  # block-uniform: block_sum syncs
+        rows = cache[layer]
+        token = cuda.blockIdx.x
+        while token < kv_a.shape[0]:  # block-uniform: block_sum syncs
             row = cache_start + token
             partial = float32(0.0)
-            for j in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
-                value = kv_a[token, j]
+            j = cuda.threadIdx.x
+            while j < latent:
+                value = at2(kv_a, token, j)
                 partial += value * value
+                j += cuda.blockDim.x
             inv = inverse_rms(block_sum(partial, scratch), latent, eps)
-            for j in range(cuda.threadIdx.x, latent, cuda.blockDim.x):
-                cache[layer, row, j] = kv_a[token, j] * inv * kv_norm_weight[j]
+            j = cuda.threadIdx.x
+            while j < latent:
+                at2_put(rows, row, j, at2(kv_a, token, j) * inv * at(kv_norm_weight, j))
+                j += cuda.blockDim.x
             position = positions[token]
             in_table = position >= 0 and position < cos_table.shape[0]
-            for pair in range(cuda.threadIdx.x, pairs, cuda.blockDim.x):
+            pair = cuda.threadIdx.x
+            while pair < pairs:
                 column = latent + 2 * pair
                 if in_table:
-                    even, odd = rotate_pair(kv_a[token, column], kv_a[token, column + 1],
-                                            cos_table[position, pair], sin_table[position, pair])
+                    even, odd = rotate_pair(at2(kv_a, token, column), at2(kv_a, token, column + 1),
+                                            at2(cos_table, position, pair), at2(sin_table, position, pair))
                 else:
                     even, odd = float32(math.nan), float32(math.nan)
-                cache[layer, row, column] = even
-                cache[layer, row, column + 1] = odd
+                at2_put(rows, row, column, even)
+                at2_put(rows, row, column + 1, odd)
+                pair += cuda.blockDim.x
+            token += cuda.gridDim.x
 
     return write_kv_rows_kernel
 
@@ -82,8 +92,9 @@ def write_kv_rows(cache, layer: int, cache_start, kv_a, kv_norm_weight, eps: flo
     latent = width - 2 * table.pairs
     if kv_a.dtype != np.float32 or len(kv_a.shape) != 2 or kv_a.shape[1] != width:
         raise ValueError(f"kv_a must be float32 [s, {width}], got {kv_a.dtype} {tuple(kv_a.shape)}")
-    if kv_norm_weight.dtype != np.float32 or tuple(kv_norm_weight.shape) != (latent,):
-        raise ValueError(f"kv_norm_weight must be float32 [{latent}], got {kv_norm_weight.dtype} "
+    if kv_norm_weight.dtype != np.float32 or tuple(kv_norm_weight.shape) != (latent,) or \
+            not kv_norm_weight.is_c_contiguous():
+        raise ValueError(f"kv_norm_weight must be contiguous float32 [{latent}], got {kv_norm_weight.dtype} "
                          f"{tuple(kv_norm_weight.shape)}")
     tokens = kv_a.shape[0]
     if not 0 <= layer < layers:

@@ -1,4 +1,5 @@
-"""Block-wide reductions for 1-D thread blocks: max, sum, argmax (ties -> lowest index).
+"""Block-wide reductions for 1-D thread blocks: max, sum, argmax (ties -> lowest index), and the inclusive
+prefix sums of two integers (block_inclusive_sums).
 
 On a GPU each warp reduces with shuffles, then warp 0 reduces the per-warp partials. The CUDA simulator
 has no warp shuffles, so there (and for blocks narrower than a warp) a shared-memory tree reduction
@@ -163,3 +164,60 @@ def block_argmax(value, index, scratch, scratch_ids):
     best_index = scratch_ids[0]
     cuda.syncthreads()  # everyone read slot 0 before the caller reuses scratch
     return best_value, best_index
+
+
+@device_function()
+def block_inclusive_sums(a, b, scratch_a, scratch_b):
+    """Inclusive prefix sums over the block's threads (in thread order) of the integers a and b, both at once:
+    (a_0 + .. + a_tid, b_0 + .. + b_tid) to thread tid. Exact, so the GPU's warp-shuffle scan (two barriers)
+    and the simulator's shared-memory Hillis-Steele scan (two a level) give the same result."""
+    tid = cuda.threadIdx.x
+    width = cuda.blockDim.x
+    if USE_SHUFFLE and width >= WARP_SIZE:
+        lane, warp = tid % WARP_SIZE, tid // WARP_SIZE
+        offset = 1
+        while offset < WARP_SIZE:
+            other_a = cuda.shfl_up_sync(FULL_MASK, a, offset)
+            other_b = cuda.shfl_up_sync(FULL_MASK, b, offset)
+            if lane >= offset:
+                a += other_a
+                b += other_b
+            offset *= 2
+        if lane == WARP_SIZE - 1:
+            scratch_a[warp] = a
+            scratch_b[warp] = b
+        cuda.syncthreads()  # every warp's total is in scratch
+        if warp == 0:
+            total_a = scratch_a[lane] if lane < width // WARP_SIZE else a * 0
+            total_b = scratch_b[lane] if lane < width // WARP_SIZE else b * 0
+            offset = 1
+            while offset < WARP_SIZE:
+                other_a = cuda.shfl_up_sync(FULL_MASK, total_a, offset)
+                other_b = cuda.shfl_up_sync(FULL_MASK, total_b, offset)
+                if lane >= offset:
+                    total_a += other_a
+                    total_b += other_b
+                offset *= 2
+            scratch_a[lane] = total_a  # warps 0 .. lane's totals
+            scratch_b[lane] = total_b
+        cuda.syncthreads()  # the warps' running totals are in scratch
+        if warp > 0:
+            a += scratch_a[warp - 1]
+            b += scratch_b[warp - 1]
+    else:
+        scratch_a[tid] = a
+        scratch_b[tid] = b
+        cuda.syncthreads()  # all values stored before the scan reads them
+        stride = 1
+        while stride < width:  # Hillis-Steele
+            add_a = scratch_a[tid - stride] if tid >= stride else a * 0
+            add_b = scratch_b[tid - stride] if tid >= stride else b * 0
+            cuda.syncthreads()  # all reads of this level done before the writes
+            scratch_a[tid] += add_a
+            scratch_b[tid] += add_b
+            cuda.syncthreads()  # this level's sums visible to the next
+            stride *= 2
+        a = scratch_a[tid]
+        b = scratch_b[tid]
+    cuda.syncthreads()  # every thread read scratch before the caller reuses it
+    return a, b

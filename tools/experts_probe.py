@@ -1,7 +1,8 @@
 """Three moe_experts calls at k2-mini's 32 experts, s = 256, with MANY_PAIRS_CONFIG: a small process to put under
 Nsight Compute (tools/gpu_session.sh ncu-experts); with --sass, the staged gate_up kernel's SASS instruction mix
-(numba-cuda's inspect_sass: needs nvdisasm on PATH)."""
-import collections, re, sys
+(numba-cuda's inspect_sass: needs nvdisasm on PATH), the whole SASS written to $OUT/staged_gate_up.sass when OUT is
+set."""
+import collections, os, re, sys
 import numpy as np
 import torch
 from numba import cuda
@@ -24,3 +25,6 @@ if "--sass" in sys.argv:
     sass = next(iter(kernel.inspect_sass().values())) if hasattr(kernel, "inspect_sass") else ""
     ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?P\d+\s+)?([A-Z][A-Z0-9.]*)", sass))
     print("SASS total", sum(ops.values()), ops.most_common(30))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "staged_gate_up.sass"), "w") as out:
+            out.write(sass)

@@ -7,7 +7,7 @@ Four small kernels, no Python loop over experts, nothing copied back to the host
 2. ``gate_up`` (grid: f row tiles x active experts): act[row, f] = silu(gate x) * up x for every pair of the
    expert, so each expert's gate/up rows are read once per launch for all its tokens (up to tokens_per_pass).
 3. ``down`` (grid: d row tiles x active experts): per-pair outputs pair_out[P, d] = down_e(act[row]).
-4. ``_combine_slots``: y[t] = (y[t] if accumulate) + sum over slots, in slot order, of w[t, slot] * pair_out.
+4. ``combine_kernel(k)``: y[t] = (y[t] if accumulate) + sum over slots, in slot order, of w[t, slot] * pair_out.
    No float atomics: the result does not depend on scheduling.
 
 Each warp owns a few weight rows. Its lanes stride over the row one "word" at a time: VEC consecutive columns
@@ -28,6 +28,7 @@ sweep them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -37,7 +38,8 @@ from numba import cuda, float32, int32, uint32, uint64
 from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array as as_device
 from kdspec.numba_kernels.host_arrays import check_array, device_address, output, weight_view
-from kdspec.numba_kernels.reductions import USE_SHUFFLE, WARP_SIZE
+from kdspec.numba_kernels.intrinsics import at, at2, at2_put
+from kdspec.numba_kernels.reductions import USE_SHUFFLE, WARP_SIZE, block_inclusive_sums
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, row_blocks
 
 # A "warp" of LANES threads shares each weight row. The simulator has no shuffles (the reduction goes through
@@ -329,41 +331,33 @@ def _plan_pairs(expert_ids, n_experts, expert_counts, expert_offsets, placed_pai
     the atomics placed them). Out-of-range ids are left out."""
     tid = cuda.threadIdx.x
     width = cuda.blockDim.x
-    k = expert_ids.shape[1]
-    n_pairs = expert_ids.shape[0] * k
+    n_pairs = expert_ids.shape[0] * expert_ids.shape[1]  # pair p is flat element p of expert_ids (C-contiguous)
     scan_pairs = cuda.shared.array(PLAN_THREADS, int32)
     scan_active = cuda.shared.array(PLAN_THREADS, int32)
-    for j in range(tid, n_experts, width):
+    j = tid
+    while j < n_experts:
         expert_counts[j] = 0
+        j += width
     cuda.syncthreads()  # counts zeroed before any pair adds to them
-    for p in range(tid, n_pairs, width):
-        expert = expert_ids[p // k, p % k]
+    p = tid
+    while p < n_pairs:
+        expert = at(expert_ids, p)
         if 0 <= expert < n_experts:
             cuda.atomic.add(expert_counts, expert, 1)
+        p += width
     cuda.syncthreads()  # every count is final
     # Each thread owns a contiguous chunk of experts; a scan over the threads' chunk totals gives offsets.
     chunk = (n_experts + width - 1) // width
     first = tid * chunk
     last = min(first + chunk, n_experts)
-    own_pairs = 0
-    own_active = 0
+    own_pairs = int32(0)
+    own_active = int32(0)
     for j in range(first, last):
         own_pairs += expert_counts[j]
         own_active += 1 if expert_counts[j] > 0 else 0
-    scan_pairs[tid] = own_pairs
-    scan_active[tid] = own_active
-    cuda.syncthreads()  # chunk totals stored before the scan reads them
-    stride = 1
-    while stride < width:  # Hillis-Steele inclusive scan
-        add_pairs = scan_pairs[tid - stride] if tid >= stride else 0
-        add_active = scan_active[tid - stride] if tid >= stride else 0
-        cuda.syncthreads()  # all reads of this level done before the writes
-        scan_pairs[tid] += add_pairs
-        scan_active[tid] += add_active
-        cuda.syncthreads()  # this level's sums visible to the next
-        stride *= 2
-    offset = scan_pairs[tid] - own_pairs
-    active = scan_active[tid] - own_active
+    pairs_through, active_through = block_inclusive_sums(own_pairs, own_active, scan_pairs, scan_active)
+    offset = pairs_through - own_pairs
+    active = active_through - own_active
     for j in range(first, last):
         count = expert_counts[j]
         expert_offsets[j] = offset
@@ -373,25 +367,29 @@ def _plan_pairs(expert_ids, n_experts, expert_counts, expert_offsets, placed_pai
             active += 1
         offset += count
     if tid == width - 1:
-        expert_offsets[n_experts] = scan_pairs[tid]
-        n_active[0] = scan_active[tid]
-    cuda.syncthreads()  # cursors set before placement
-    for p in range(tid, n_pairs, width):
-        expert = expert_ids[p // k, p % k]
+        expert_offsets[n_experts] = pairs_through
+        n_active[0] = active_through
+    cuda.syncthreads()  # cursors set before placement (and the total pairs, expert_offsets[n_experts])
+    p = tid
+    while p < n_pairs:
+        expert = at(expert_ids, p)
         if 0 <= expert < n_experts:
             placed_pairs[cuda.atomic.add(expert_counts, expert, 1)] = p
+        p += width
     cuda.syncthreads()  # all pairs placed before their ranks are counted
     # Atomics placed them in any order; a pair's rank among its expert's pairs is its place in the fixed layout.
     # One thread per pair, each reading its expert's segment (an insertion sort per expert, one thread each,
     # took ~1 ms at 64 pairs an expert).
-    for i in range(tid, scan_pairs[width - 1], width):
+    i = tid
+    while i < expert_offsets[n_experts]:
         pair = placed_pairs[i]
-        expert = expert_ids[pair // k, pair % k]
+        expert = at(expert_ids, pair)
         begin = expert_offsets[expert]
         rank = 0
         for j in range(begin, expert_offsets[expert + 1]):
             rank += 1 if placed_pairs[j] < pair else 0
         sorted_pairs[begin + rank] = pair
+        i += width
 
 
 def _make_dot_pass(fmt: WordFormat, n_rows: int, unroll: int, tokens_per_pass: int):
@@ -565,24 +563,31 @@ def expert_kernels(vec: int, config: ExpertsConfig):
     return _KERNELS[key]
 
 
-@kernel_cache.jit
-def _combine_slots(pair_out, expert_ids, expert_weights, n_experts, accumulate, y):
-    """y[t, j] = (y[t, j] if accumulate else 0) + sum_slot w[t, slot] * pair_out[t*k + slot, j], slots in
-    order; slots with an out-of-range expert id add nothing. Grid: (ceil(d / threads), row_blocks(s)),
-    grid-stride over tokens."""
-    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if j >= y.shape[1]:
-        return
-    k = expert_ids.shape[1]
-    for t in range(cuda.blockIdx.y, y.shape[0], cuda.gridDim.y):
-        total = float32(0.0)
-        for slot in range(k):
-            expert = expert_ids[t, slot]
-            if 0 <= expert < n_experts:
-                total += expert_weights[t, slot] * pair_out[t * k + slot, j]
-        if accumulate:
-            total = y[t, j] + total
-        y[t, j] = total
+@functools.lru_cache(maxsize=None)
+def combine_kernel(k: int):
+    """The combine kernel for k slots a token, unrolled: every slot's loads are issued before the sum (a loop over
+    a run-time k waited one load latency a slot, behind each slot's range check)."""
+    @kernel_cache.jit
+    def combine_slots(pair_out, expert_ids, expert_weights, n_experts, accumulate, y):
+        """y[t, j] = (y[t, j] if accumulate else 0) + sum_slot w[t, slot] * pair_out[t*k + slot, j], slots in
+        order; slots with an out-of-range expert id add nothing. expert_ids int32 [s, k], expert_weights float32
+        [s, k], pair_out float32 [s*k, d], y float32 [s, d]. Grid: (ceil(d / threads), row_blocks(s)),
+        grid-stride over tokens."""
+        j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if j >= y.shape[1]:
+            return
+        t = cuda.blockIdx.y
+        while t < y.shape[0]:
+            total = float32(0.0)
+            for slot in range(k):  # constant trip count: unrolled
+                expert = at2(expert_ids, t, slot)
+                product = at2(expert_weights, t, slot) * at2(pair_out, t * k + slot, j)  # read whatever the id
+                total = total + product if 0 <= expert < n_experts else total
+            if accumulate:
+                total = at2(y, t, j) + total
+            at2_put(y, t, j, total)
+            t += cuda.gridDim.y
+    return combine_slots
 
 
 # ---------------------------------------------------------------------------------------- launchers
@@ -608,6 +613,8 @@ def plan_pairs(expert_ids, n_experts: int, plan: ExpertPlan | None = None, strea
     """Sort the (token, slot) pairs of expert_ids int32 [s, k] by expert, on the device."""
     expert_ids = as_device(expert_ids, "expert_ids")
     check_array(expert_ids, "expert_ids", (None, None), [np.int32])
+    if not expert_ids.is_c_contiguous():
+        raise ValueError("expert_ids must be C-contiguous")
     n_pairs = expert_ids.shape[0] * expert_ids.shape[1]
     if plan is None:
         plan = ExpertPlan.allocate(n_experts, n_pairs, stream)
@@ -738,6 +745,6 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, out=None, a
         grouped_swiglu_tc(x, k, plan, gate_view, down_view, act, pair_out, stream, config)
     else:
         grouped_swiglu(x, k, plan, gate_view, down_view, act, pair_out, stream, config)
-    _combine_slots[(math.ceil(d / COMBINE_THREADS), row_blocks(s)), COMBINE_THREADS, stream](
+    combine_kernel(k)[(math.ceil(d / COMBINE_THREADS), row_blocks(s)), COMBINE_THREADS, stream](
         pair_out, expert_ids, expert_weights, e, accumulate, y)
     return y

@@ -46,6 +46,7 @@ from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import device_address
+from kdspec.numba_kernels.intrinsics import at2, at2_put
 from kdspec.numba_kernels.moe.experts import ExpertPlan, load_u64x2, load_u64x2_flat, silu
 from kdspec.numba_kernels.mma import (BF16_SCRATCH_PER_WARP, MAX_SHARED_BYTES, WARP, allow_dynamic_shared, copy16,
                                       copy_commit, copy_wait, float_bits, mma_bf16)
@@ -169,8 +170,10 @@ def _round_to_bf16(x, x_bits):
     Grid (ceil(d/2 / CONVERT_THREADS), row_blocks(s))."""
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < x_bits.shape[1]:
-        for t in range(cuda.blockIdx.y, x.shape[0], cuda.gridDim.y):
-            x_bits[t, i] = bf16_rne(x[t, 2 * i]) | (bf16_rne(x[t, 2 * i + 1]) << uint32(16))
+        t = cuda.blockIdx.y
+        while t < x.shape[0]:
+            at2_put(x_bits, t, i, bf16_rne(at2(x, t, 2 * i)) | (bf16_rne(at2(x, t, 2 * i + 1)) << uint32(16)))
+            t += cuda.gridDim.y
 
 
 @device_function(**INLINE_DEVICE)
