@@ -21,8 +21,10 @@ and an expert with more pairs takes several passes.
 
 Two kinds of kernels run those products. The streaming kernels (TcConfig, tc_kernels) are the above: weights
 straight into registers, the best when the weights are the traffic (few pairs an expert). The staged kernels
-(TiledConfig, tiled_kernels) stage a block's weight rows and its pass's tokens in shared memory by cp.async, so
-a block's warps share each load, and one warp walks all of K for its rows and tokens (many pairs an expert).
+(TokenTiledConfig, token_tiled_kernels) stage a block's weight rows and its pass's tokens in shared memory by
+cp.async, so a block's warps share each load, and one warp walks all of K for its tiles (many pairs an expert);
+they give the mma the tokens as A (16 tokens a tile) and the weights as B, which the staged rows' 16-byte loads
+feed without moving registers.
 tc_config_for picks by the mean number of pairs per active expert: FEW_PAIRS_CONFIG (streaming, one tile) up to
 FEW_PAIRS, MID_PAIRS_CONFIG (streaming, three tiles) up to MID_PAIRS, MORE_PAIRS_CONFIG (streaming, four tiles) up
 to MORE_PAIRS, else MANY_PAIRS_CONFIG (staged) (figures: BENCHMARKS.md; sweep: python3 -m tools.sweeps.moe
@@ -30,8 +32,9 @@ to MORE_PAIRS, else MANY_PAIRS_CONFIG (staged) (figures: BENCHMARKS.md; sweep: p
 
 Batch invariance: a pair's result depends only on its activation row, the weights and the fixed K order and
 split, not on which tile or lane it sits in nor on how many pairs the expert has (each output column of an mma
-is its own token's), nor on the launch shape: every shape feeds each mma the same registers and sums K in the
-same K_SPLIT shares, added in share order (a streaming block's warps through shared memory; a staged warp into
+is its own token's), nor on the launch shape: every shape feeds each mma the same products in the same k order
+(the staged kernels with A and B swapped, which the tensor cores sum alike) and sums K in the same K_SPLIT shares,
+added in share order (a streaming block's warps through shared memory; a staged warp into
 its running total), so s = 1 and s = 256 give a token the same bits whichever shape each runs.
 Requirements: bf16 weights (uint16 / int16 bits), d and f multiples of 32, every array 16-byte aligned.
 """
@@ -88,48 +91,56 @@ class TcConfig:
 
 
 @dataclass(frozen=True)
-class TiledConfig:
-    """Launch shape of the staged kernels (tiled_kernels): warps_m x warps_n warps, each owning two m-tiles (32
-    weight rows) x ``tiles`` 8-token tiles; the block's weight rows and tokens reach (dynamic) shared memory by
-    cp.async, one 32-column chunk at a time and ``stages`` chunks deep (stages - 1 in flight: the bytes in flight
-    are what streams the weights), so the warps of a row share each token load and the warps of a token column
-    each weight load (many pairs an expert: the products are the work)."""
+class TokenTiledConfig:
+    """Launch shape of the staged kernels with the tokens as the mma's A operand (token_tiled_kernels): warps_t x
+    warps_w warps, each owning token_tiles 16-token tiles x weight_tiles 8-row weight tiles (gate_up: the first
+    half gate rows, the second the matching up rows). The block's weight rows and its pass's tokens reach (dynamic)
+    shared memory by cp.async, one 32-column chunk at a time and ``stages`` chunks deep (stages - 1 in flight), so
+    the warps of a token row share each weight load and the warps of a weight column each token load (many pairs
+    an expert: the products are the work)."""
 
-    warps_m: int
-    warps_n: int
-    tiles: int               # 8-token tiles per warp: tokens per pass = 8 tiles warps_n
-    stages: int = 3
+    warps_t: int
+    warps_w: int
+    token_tiles: int = 2
+    weight_tiles: int = 4
+    stages: int = 4
     max_registers: int = 0
 
     def __post_init__(self):
-        if not (1 <= self.warps_m <= 4 and 1 <= self.warps_n <= 8 and self.warps_m * self.warps_n <= 16
-                and 1 <= self.tiles <= 8 and 2 <= self.stages <= 32 and self.max_registers >= 0):
-            raise ValueError(f"TiledConfig: warps_m {self.warps_m} (1..4), warps_n {self.warps_n} (1..8, at most 16 "
-                             f"warps), tiles {self.tiles} (1..8), stages {self.stages} (2..32), max_registers "
-                             f"{self.max_registers}")
+        if not (1 <= self.warps_t <= 8 and 1 <= self.warps_w <= 8 and self.warps_t * self.warps_w <= 16
+                and 1 <= self.token_tiles <= 4 and self.weight_tiles in (2, 4, 6, 8) and 2 <= self.stages <= 32
+                and self.max_registers >= 0):
+            raise ValueError(f"TokenTiledConfig: warps_t {self.warps_t} (1..8), warps_w {self.warps_w} (1..8, at most "
+                             f"16 warps), token_tiles {self.token_tiles} (1..4), weight_tiles {self.weight_tiles} "
+                             f"(2, 4, 6 or 8), stages {self.stages} (2..32), max_registers {self.max_registers}")
         if self.shared_bytes > MAX_SHARED_BYTES:
-            raise ValueError(f"TiledConfig: {self.shared_bytes} bytes of shared memory (at most {MAX_SHARED_BYTES})")
+            raise ValueError(f"TokenTiledConfig: {self.shared_bytes} bytes of shared memory (at most "
+                             f"{MAX_SHARED_BYTES})")
 
     @property
     def threads(self) -> int:
-        return self.warps_m * self.warps_n * WARP
+        return self.warps_t * self.warps_w * WARP
 
     @property
     def tokens_per_pass(self) -> int:
-        return 8 * self.tiles * self.warps_n
+        return 16 * self.token_tiles * self.warps_t
+
+    @property
+    def staged_rows(self) -> int:
+        return 8 * self.weight_tiles * self.warps_w
 
     @property
     def shared_bytes(self) -> int:
-        return self.stages * (BLOCK_ROWS * self.warps_m + self.tokens_per_pass) * CHUNK * 2
+        return self.stages * (self.staged_rows + self.tokens_per_pass) * CHUNK * 2
 
     def rows_per_block(self, gate_up: bool) -> int:
-        return (16 if gate_up else BLOCK_ROWS) * self.warps_m
+        return self.staged_rows // 2 if gate_up else self.staged_rows
 
     def kernels(self):
-        return tiled_kernels(self)
+        return token_tiled_kernels(self)
 
 
-CONFIG_TYPES = (TcConfig, TiledConfig)
+CONFIG_TYPES = (TcConfig, TokenTiledConfig)
 
 # Launch shapes by the mean number of pairs an active expert gets (tc_config_for). Every kind sums K in the same
 # K_SPLIT shares (fixing the bits: see the module docstring), so a token gets the same bits whichever runs it: the
@@ -141,13 +152,13 @@ K_SPLIT = 2 if ON_SIMULATOR else 4
 FEW_PAIRS_CONFIG = TcConfig(K_SPLIT, 1, 2 if ON_SIMULATOR else 4)  # AR and small trees: one tile, 4 chunks a step
 MID_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 3, 1 if ON_SIMULATOR else 2)  # 24 tokens a pass
 MORE_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 4, 2)  # 32 tokens a pass
-MANY_PAIRS_CONFIG = TiledConfig(1, 2, 1, 2) if ON_SIMULATOR else TiledConfig(2, 4, 3, 10)  # staged, 96 a pass
+MANY_PAIRS_CONFIG = TokenTiledConfig(1, 2, 1, 2, 2) if ON_SIMULATOR else TokenTiledConfig(4, 2, 1, 4, 4)  # 64 a pass
 FEW_PAIRS = 6    # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
 MID_PAIRS = 20   # ... MID_PAIRS_CONFIG (k2-mini at s = 64: 16)
 MORE_PAIRS = 40  # ... MORE_PAIRS_CONFIG (k2-mini at s = 128: 32), else MANY_PAIRS_CONFIG (s = 256: 64)
 
 
-def tc_config_for(n_pairs: int, n_experts: int) -> TcConfig | TiledConfig:
+def tc_config_for(n_pairs: int, n_experts: int) -> TcConfig | TokenTiledConfig:
     """The launch shape for n_pairs (token, expert) pairs over n_experts experts."""
     mean_pairs = n_pairs / max(1, min(n_experts, n_pairs))
     for most, config in ((FEW_PAIRS, FEW_PAIRS_CONFIG), (MID_PAIRS, MID_PAIRS_CONFIG),
@@ -429,36 +440,38 @@ def tc_kernels(config: TcConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def tiled_kernels(config: TiledConfig):
-    """(gate_up, down) staged kernels for one TiledConfig: the same products, in the same order, as tc_kernels.
+def token_tiled_kernels(config: TokenTiledConfig):
+    """(gate_up, down) staged kernels for one TokenTiledConfig: the same products, in the same K order, as
+    tc_kernels, with the operands' roles swapped. The mma computes D[token, weight row] = A (16 tokens) x B (8
+    weight rows): an output element sums the same products in the same k order as tc_kernels' (weights as A), and
+    the tensor cores give it the same bits either way (measured on the H200: BENCHMARKS.md, "Staged experts with
+    the tokens as A").
 
-    A block stages, per 32-column chunk, its weight rows (rows 0 .. 32 warps_m - 1 of a shared slot; gate_up: its
-    16 warps_m gate rows, then the matching up rows) and the pass's tokens (rows 32 warps_m ..: token t of the
-    pass, zeros past the expert's pairs and past K). Warp (wm, wn) takes m-tiles from rows 16 wm (gate_up: and
-    16 warps_m + 16 wm) or 32 wm (down) and token tiles wn * tiles .. of the pass, and feeds the mma the very
-    registers a streaming warp would (load_staged over the staged rows, tile_products). One warp walks all of K: it
-    sums each of the K_SPLIT shares in fresh accumulators and adds share q's sum into the total after share
-    q - 1's, the order in which tc_kernels adds its warps' partial sums; shares padded past K run their zero
-    chunks as the streaming warps do. So both kinds give a pair the same bits."""
-    warps_m, tiles, stages = config.warps_m, config.tiles, config.stages
-    threads = config.threads
-    staged_rows = BLOCK_ROWS * warps_m          # weight rows of a slot
-    tokens_per_pass = config.tokens_per_pass
-    slot_rows = staged_rows + tokens_per_pass
-    slot_words = 8 * slot_rows                  # uint64 of a slot: 64 bytes a row
-    acc_size = 2 * tiles * 4
-    tile_words = 4 * tiles                      # uint32 per lane: each token tile's 4 bf16 pairs of a chunk
+    A block stages, per 32-column chunk, its weight rows (rows 0 .. staged_rows - 1 of a shared slot; gate_up: its
+    staged_rows / 2 gate rows, then the matching up rows) and the pass's tokens (the rows after: token t of the
+    pass, zeros past the expert's pairs and past K). One warp walks all of K for its tiles: it sums each of the
+    K_SPLIT shares in fresh accumulators and adds share q's sum into the total after share q - 1's, the order in
+    which tc_kernels adds its warps' partial sums; shares padded past K run their zero chunks as the streaming
+    warps do. Lane (g, tq)'s 16-byte load of a staged
+    row holds its columns 8 tq .. 8 tq + 7, that is both k-steps' words in tc_kernels' permuted order: a weight
+    tile's B fragments (row g: words 2j, 2j + 1 for step j) are the loaded registers as they are; a token tile's
+    A fragments take rows g and g + 8 (words 2j and 2j + 1 of each). C fragments: entry c of (token tile m,
+    weight tile n) is token 16 m + g + 8 (c >> 1), weight row 8 n + 2 tq + (c & 1)."""
+    token_tiles, weight_tiles, stages = config.token_tiles, config.weight_tiles, config.stages
+    warps_w, threads = config.warps_w, config.threads
+    staged_rows, tokens_per_pass = config.staged_rows, config.tokens_per_pass
+    half_tiles = weight_tiles // 2
+    slot_words = 8 * (staged_rows + tokens_per_pass)  # uint64 of a slot: 64 bytes a row
+    acc_size = token_tiles * weight_tiles * 4
+    a_words, b_words = 8 * token_tiles, 4 * weight_tiles  # uint32 per lane: A fragments (rows g, g + 8), B
     weight_copies = -(-4 * staged_rows // threads)  # 16-byte copies per thread per chunk: 4 a row
     token_copies = -(-4 * tokens_per_pass // threads)
     scratch_size = threads // WARP * BF16_SCRATCH_PER_WARP if ON_SIMULATOR else 1
     jit_options = dict(max_registers=config.max_registers) if config.max_registers and not ON_SIMULATOR else {}
     wait_for_chunk = copy_wait(stages - 2)
-    store_act_all, store_down_all = store_functions(tiles)
     zero_all = static_for(acc_size, _zero)
 
     def copy_weights(i, args):
-        """This thread's weight copy i of chunk `chunk` into the slot at stage[at ..] (zeros past K: a padded
-        share, in_k False)."""
         stage, at, w, sources, chunk, in_k = args
         piece = cuda.threadIdx.x + i * threads
         if piece < 4 * staged_rows:
@@ -466,8 +479,6 @@ def tiled_kernels(config: TiledConfig):
             copy16(stage, at + 2 * piece, w, sources[i] + 8 * chunk if valid else 0, 16 if valid else 0)
 
     def copy_tokens(i, args):
-        """This thread's token copy i of chunk `chunk` into the slot at stage[at ..] (zeros past the pass's pairs
-        and K)."""
         stage, at, tokens, sources, chunk, in_k = args
         piece = cuda.threadIdx.x + i * threads
         if piece < 4 * tokens_per_pass:
@@ -480,25 +491,36 @@ def tiled_kernels(config: TiledConfig):
 
     @device_function(**INLINE_DEVICE)
     def copy_chunk(stage, slot, chunk, w, weight_sources, tokens, token_sources, n_chunks):
-        """Chunk `chunk` into slot `slot`: a 16-byte piece p of a slot is its row p / 4's bytes 16 (p % 4) .."""
         at, in_k = slot * slot_words, chunk < n_chunks
         copy_all_weights((stage, at, w, weight_sources, chunk, in_k))
         copy_all_tokens((stage, at, tokens, token_sources, chunk, in_k))
 
-    def load_tile(n, args):
-        """Token tile n's B fragment of the slot (row g of the tile, the lane's words at stage[at ..]) into
-        b[4 n ..]."""
-        stage, at, first_token, b = args
+    def load_token_tile(m, args):
+        """Token tile m's rows g and g + 8 into a[8 m ..] and a[8 m + 4 ..]."""
+        stage, at, first_token, a = args
         g = (cuda.threadIdx.x % WARP) >> 2
-        load_staged(stage, at + (staged_rows + first_token + 8 * n + g) * 8, b, 4 * n)
+        load_staged(stage, at + (staged_rows + first_token + 16 * m + g) * 8, a, 8 * m)
+        load_staged(stage, at + (staged_rows + first_token + 16 * m + 8 + g) * 8, a, 8 * m + 4)
 
-    def tile_mma(n, args):
-        acc, weights, b, n_used, scratch = args
-        if ON_SIMULATOR or n < n_used:  # warp-uniform; the simulator's mma syncs the block: every warp runs it
-            tile_products(acc, n, tiles, weights, 0, b, scratch)
+    def load_weight_tile(n, args):
+        """Weight tile n's row g into b[4 n ..]."""
+        stage, at, weight_rows, b = args
+        load_staged(stage, at + weight_rows[n] * 8, b, 4 * n)
 
-    load_tiles = static_for(tiles, device_function(**INLINE_DEVICE)(load_tile))
-    tiles_mma = static_for(tiles, device_function(**INLINE_DEVICE)(tile_mma))
+    def tile_mma(i, args):
+        """k-step j = i / (token_tiles weight_tiles) of token tile m x weight tile n (every tile's step 0 before any
+        step 1: the two steps of one accumulator are the only dependent mma)."""
+        acc, a, b, m_used, scratch = args
+        j, m, n = i // (token_tiles * weight_tiles), (i // weight_tiles) % token_tiles, i % weight_tiles
+        if ON_SIMULATOR or m < m_used:  # warp-uniform; the simulator's mma syncs the block: every warp runs it
+            o = 4 * (m * weight_tiles + n)
+            acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_bf16(
+                a[8 * m + 2 * j], a[8 * m + 4 + 2 * j], a[8 * m + 2 * j + 1], a[8 * m + 5 + 2 * j], b[4 * n + 2 * j],
+                b[4 * n + 2 * j + 1], acc[o], acc[o + 1], acc[o + 2], acc[o + 3], scratch)
+
+    load_token_tiles = static_for(token_tiles, device_function(**INLINE_DEVICE)(load_token_tile))
+    load_weight_tiles = static_for(weight_tiles, device_function(**INLINE_DEVICE)(load_weight_tile))
+    chunk_mma = static_for(2 * token_tiles * weight_tiles, device_function(**INLINE_DEVICE)(tile_mma))
 
     def fold(o, args):
         """total = the first share's sum, then total + each later share's, in share order; acc zeroed."""
@@ -508,35 +530,65 @@ def tiled_kernels(config: TiledConfig):
 
     fold_all = static_for(acc_size, device_function(**INLINE_DEVICE)(fold))
 
+    def store_act(o, args):
+        """act = bf16(silu(gate) * up) for gate accumulator o (token tile m, gate tile n < half_tiles) and its up
+        tile n + half_tiles."""
+        acc, act_bits, base, end, warp_column, f = args
+        lane = cuda.threadIdx.x % WARP
+        g, tq = lane >> 2, lane & 3
+        m, n, c = o // (4 * half_tiles), (o // 4) % half_tiles, o % 4
+        gate = 4 * (m * weight_tiles + n) + c
+        row = base + 16 * m + g + 8 * (c >> 1)
+        column = warp_column + 8 * n + 2 * tq + (c & 1)
+        if row < end and column < f:
+            act_bits[row, column] = uint16(bf16_rne(silu(acc[gate]) * acc[gate + 4 * half_tiles]))
+
+    def store_down(o, args):
+        acc, pair_out, sorted_pairs, base, end, warp_row = args
+        lane = cuda.threadIdx.x % WARP
+        g, tq = lane >> 2, lane & 3
+        m, n, c = o // (4 * weight_tiles), (o // 4) % weight_tiles, o % 4
+        row = base + 16 * m + g + 8 * (c >> 1)
+        column = warp_row + 8 * n + 2 * tq + (c & 1)
+        if row < end and column < pair_out.shape[1]:
+            pair_out[sorted_pairs[row], column] = acc[o]
+
+    store_act_all = static_for(token_tiles * half_tiles * 4, device_function(**INLINE_DEVICE)(store_act))
+    store_down_all = static_for(acc_size, device_function(**INLINE_DEVICE)(store_down))
+
     def make_kernel(gate_up: bool):
         rows_per_block = config.rows_per_block(gate_up)
 
         @kernel_cache.jit(**jit_options)
         def kernel(tokens, w, n_chunks, f, k, expert_offsets, sorted_pairs, active_experts, n_active, out):
-            """Arguments and output as tc_kernels' kernels; grid (ceil(f / (16 warps_m)) (gate_up) or
-            ceil(d / (32 warps_m)) (down), row_blocks(max active)); warps_m * warps_n * 32 threads."""
-            stage = cuda.shared.array(0, uint64, alignment=STAGE_ALIGNMENT)  # [stages, slot_rows, 8], dynamic
+            """Arguments and output as tc_kernels' kernels; grid (ceil(f / rows_per_block(True)) (gate_up) or
+            ceil(d / rows_per_block(False)) (down), row_blocks(max active)); config.threads threads."""
+            stage = cuda.shared.array(0, uint64, alignment=STAGE_ALIGNMENT)  # [stages, slot rows, 8], dynamic
             scratch = cuda.shared.array(scratch_size, float32)
             acc = cuda.local.array(acc_size, float32)
             total = cuda.local.array(acc_size, float32)
-            weights = cuda.local.array(16, uint32)  # load_weight_chunk's layout
-            b = cuda.local.array(tile_words, uint32)
+            a = cuda.local.array(a_words, uint32)
+            b = cuda.local.array(b_words, uint32)
+            weight_rows = cuda.local.array(weight_tiles, int32)  # staged row of each weight tile's lane row g
             weight_sources = cuda.local.array(weight_copies, int64)  # flat uint64 index of a copy's row, or -1
             token_sources = cuda.local.array(token_copies, int64)
             warp = cuda.threadIdx.x // WARP
-            wm, wn = warp % warps_m, warp // warps_m
+            ww, wt = warp % warps_w, warp // warps_w
             g, tq = (cuda.threadIdx.x % WARP) >> 2, cuda.threadIdx.x & 3
             first_row = cuda.blockIdx.x * rows_per_block
             w_rows, row_words, token_words = w.shape[1], w.shape[2], tokens.shape[2]
-            # this warp's staged m-tile rows (lane rows g; g + 8 below) and its first output row
-            if gate_up:
-                row_a, row_b, warp_row = 16 * wm + g, staged_rows // 2 + 16 * wm + g, first_row + 16 * wm
-            else:
-                row_a, row_b, warp_row = 32 * wm + g, 32 * wm + 16 + g, first_row + 32 * wm
-            first_token = 8 * tiles * wn
+            for n in range(weight_tiles):
+                if gate_up:  # gate tiles, then the matching up tiles staged_rows / 2 rows on
+                    weight_rows[n] = (4 * weight_tiles * ww + 8 * (n % half_tiles) + g
+                                      + (staged_rows // 2 if n >= half_tiles else 0))
+                else:
+                    weight_rows[n] = 8 * weight_tiles * ww + 8 * n + g
+            warp_row = first_row + (4 if gate_up else 8) * weight_tiles * ww  # its first output column / row
+            first_token = 16 * token_tiles * wt
             share = (n_chunks + K_SPLIT - 1) // K_SPLIT
             chunks = share * K_SPLIT
-            for active in range(cuda.blockIdx.y, n_active[0], cuda.gridDim.y):  # block-uniform: the block syncs
+            active = cuda.blockIdx.y
+            while active < n_active[0]:  # block-uniform: the block syncs
                 expert = active_experts[active]
                 begin = expert_offsets[expert]
                 end = expert_offsets[expert + 1]
@@ -560,13 +612,12 @@ def tiled_kernels(config: TiledConfig):
                             source = ((sorted_pairs[pair] // k if gate_up else pair) * token_words
                                       + 2 * (piece & 3))
                         token_sources[i] = source
-                    n_used = min(tiles, max(0, (end - base - first_token + 7) // 8))
+                    m_used = min(token_tiles, max(0, (end - base - first_token + 15) // 16))
                     for chunk in range(stages - 1):  # prologue: stages - 1 chunks in flight
                         if chunk < chunks:
                             copy_chunk(stage, chunk, chunk, w, weight_sources, tokens, token_sources, n_chunks)
                         copy_commit()  # (an empty group keeps the count uniform)
                     zero_all(acc)
-                    # counters, not %: the kernel is issue-bound, and a % per chunk cost ~25 instructions
                     slot, fill_slot, share_left, first_share = 0, stages - 1, share, True
                     for chunk in range(chunks):
                         wait_for_chunk()
@@ -577,12 +628,9 @@ def tiled_kernels(config: TiledConfig):
                         copy_commit()
                         fill_slot = 0 if fill_slot == stages - 1 else fill_slot + 1
                         at = slot * slot_words + 2 * tq
-                        load_staged(stage, at + row_a * 8, weights, 0)
-                        load_staged(stage, at + (row_a + 8) * 8, weights, 4)
-                        load_staged(stage, at + row_b * 8, weights, 8)
-                        load_staged(stage, at + (row_b + 8) * 8, weights, 12)
-                        load_tiles((stage, at, first_token, b))
-                        tiles_mma((acc, weights, b, n_used, scratch))
+                        load_token_tiles((stage, at, first_token, a))
+                        load_weight_tiles((stage, at, weight_rows, b))
+                        chunk_mma((acc, a, b, m_used, scratch))
                         slot = 0 if slot == stages - 1 else slot + 1
                         share_left -= 1
                         if share_left == 0:
@@ -593,6 +641,7 @@ def tiled_kernels(config: TiledConfig):
                     else:
                         store_down_all((total, out, sorted_pairs, base + first_token, end, warp_row))
                     cuda.syncthreads()  # the next pass's prologue refills the slots
+                active += cuda.gridDim.y
         return kernel
 
     return make_kernel(True), make_kernel(False)
@@ -638,7 +687,7 @@ _OPTED_IN = set()  # (kernel id, argument types) whose compiled kernel may take 
 def _launch(config, kernel, row_blocks_x: int, max_active: int, stream, *args) -> None:
     """kernel over (row_blocks_x, row_blocks(max_active)) blocks of config.threads, with a staged config's dynamic
     shared memory (above 48 KB the compiled kernel must opt in first: compiled here for these arguments)."""
-    shared = config.shared_bytes if isinstance(config, TiledConfig) else 0
+    shared = config.shared_bytes if isinstance(config, TokenTiledConfig) else 0
     if shared > SHARED_LIMIT and not ON_SIMULATOR:  # (else no signature to work out per launch)
         signature = tuple(kernel.typeof_pyval(arg) for arg in args)
         if (id(kernel), signature) not in _OPTED_IN:

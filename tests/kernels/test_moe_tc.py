@@ -13,7 +13,7 @@ from numba import cuda
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.numba_kernels.moe.experts import moe_experts
 from kdspec.numba_kernels.moe.experts_tc import (FEW_PAIRS_CONFIG, K_SPLIT, MANY_PAIRS_CONFIG, MID_PAIRS_CONFIG,
-                                                 MORE_PAIRS_CONFIG, TcConfig, TiledConfig, supports, tc_config_for)
+                                                 MORE_PAIRS_CONFIG, TcConfig, TokenTiledConfig, supports, tc_config_for)
 
 from kernel_checks import assert_close, poisoned
 
@@ -81,10 +81,11 @@ def test_tensor_core_experts_match_the_bf16_reference_and_are_batch_invariant(d)
 
 @pytest.mark.sim
 @pytest.mark.parametrize("config", [TcConfig(K_SPLIT, 2, 1), TcConfig(K_SPLIT, 3, 2), TcConfig(K_SPLIT, 1, 4),
-                                    TiledConfig(2, 1, 2, 3)], ids=str)
+                                    TokenTiledConfig(1, 2, 1, 2, 3), TokenTiledConfig(2, 1, 2, 4, 2)], ids=str)
 def test_every_launch_shape_gives_the_few_pairs_bits(config):
-    """Streaming with two tiles a pass, and staged with two warp rows (d = 96: the last down block half past d)
-    and three stages: the same bits as FEW_PAIRS_CONFIG for every token. down's K (f = 160: 5 chunks, a padded
+    """Streaming with two tiles a pass, and staged (the tokens as the mma's A operand) with two warps along the
+    weights (d = 96: the last down block half past d) and three stages, or two along the tokens and two stages:
+    the same bits as FEW_PAIRS_CONFIG for every token. down's K (f = 160: 5 chunks, a padded
     share) shows the order of the sums in pair_out's fp32; gate_up's would mostly hide in act's bf16 rounding."""
     rng = np.random.default_rng(5)
     s, d = 21, 96
@@ -98,12 +99,14 @@ def test_every_launch_shape_gives_the_few_pairs_bits(config):
 
 @pytest.mark.sim
 def test_launch_shapes_refuse_what_they_cannot_hold():
-    with pytest.raises(ValueError, match="shared memory"):
-        TiledConfig(4, 4, 8, 32)  # 32 stages of 128 weight rows and 256 tokens: 768 KB
-    with pytest.raises(ValueError, match="warps_m"):
-        TiledConfig(0, 4, 2)
+    with pytest.raises(ValueError, match="warps_t"):
+        TokenTiledConfig(0, 4, 2)
     with pytest.raises(ValueError, match="k_split"):
         TcConfig(9, 1)
+    with pytest.raises(ValueError, match="weight_tiles"):
+        TokenTiledConfig(2, 2, 2, 3)  # gate_up splits a warp's weight tiles into gate and up halves
+    with pytest.raises(ValueError, match="shared memory"):
+        TokenTiledConfig(4, 4, 4, 8, 16)  # 16 stages of 256 weight rows and 256 tokens: 1 MB
 
 
 @pytest.mark.sim

@@ -85,15 +85,16 @@ def _option(name: str, default):
     return args[args.index(name) + 1] if name in args[:-1] else default
 
 
-T, TILED = experts_tc.TcConfig, experts_tc.TiledConfig
+T, STAGED = experts_tc.TcConfig, experts_tc.TokenTiledConfig
 TC_CONFIGS = [experts_tc.FEW_PAIRS_CONFIG, experts_tc.MID_PAIRS_CONFIG, experts_tc.MORE_PAIRS_CONFIG,
               experts_tc.MANY_PAIRS_CONFIG] + ([] if ON_SIMULATOR else [
     # streaming: (k_split, n_tiles, chunks_per_step, register cap)
     T(4, 1, 1), T(4, 2, 1), T(4, 4, 1), T(8, 1, 2), T(4, 1, 3), T(4, 1, 4), T(4, 2, 2), T(4, 2, 2, 96),
     T(4, 2, 3), T(4, 3, 2), T(4, 4, 2), T(4, 2, 4), T(4, 3, 3), T(4, 4, 3),
-    TILED(2, 4, 2, 12), TILED(2, 4, 2, 12, 80), TILED(2, 4, 4, 8), TILED(4, 2, 4, 8),
-    TILED(4, 2, 1, 8), TILED(2, 4, 1, 8), TILED(2, 2, 1, 12), TILED(2, 2, 2, 12), TILED(2, 4, 3, 10)])
-# staged: (warps_m, warps_n, tiles, stages, register cap)
+    STAGED(2, 2, 2, 4, 4), STAGED(2, 4, 2, 4, 4), STAGED(2, 2, 2, 8, 4), STAGED(1, 4, 4, 4, 4), STAGED(2, 2, 2, 4, 8),
+    STAGED(2, 4, 2, 4, 6), STAGED(1, 8, 4, 4, 4), STAGED(2, 2, 1, 8, 6), STAGED(3, 2, 2, 4, 4), STAGED(4, 2, 2, 4, 4),
+    STAGED(2, 2, 3, 4, 4), STAGED(6, 1, 1, 8, 4)])
+# staged: (warps_t, warps_w, token_tiles, weight_tiles, stages, register cap)
 TENSOR_CORES = "--tensor-cores" in sys.argv[1:]
 GRAPHS = "--graphs" in sys.argv[1:] and not ON_SIMULATOR  # time each call as a CUDA graph replay
 if TENSOR_CORES:
