@@ -9,8 +9,9 @@ At s = 1 one block streams the whole row, and the norm is bound by its instructi
 each access), not its bytes. So a thread works on quads of 4 columns, read and written in one 16-byte access
 where the row allows it (``vectorized``: d a multiple of 4 and every row 16-byte aligned), and the accesses skip
 Numba's negative-index wraparound (intrinsics.py); the loops are while loops. Thread t takes quads t, t +
-NORM_THREADS, ...; its partial sum adds its quads' squares in increasing column order. The kernel for other rows
-reads the same quads element by element (zeros past d), so both kernels give a row the same bits.
+NORM_THREADS, ...; its partial sum adds its quads' squares in increasing column order. Where the row does not
+allow 16-byte accesses the other kernel reads the same quads element by element (zeros past d), so both kernels
+give a row the same bits.
 """
 from __future__ import annotations
 
