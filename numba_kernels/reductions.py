@@ -166,6 +166,20 @@ def block_argmax(value, index, scratch, scratch_ids):
     return best_value, best_index
 
 
+@device_function(inline=True)
+def _warp_inclusive_sums(a, b, lane):
+    """Inclusive prefix sums of a and b over the warp's lanes (lane: this thread's)."""
+    offset = 1
+    while offset < WARP_SIZE:
+        other_a = cuda.shfl_up_sync(FULL_MASK, a, offset)
+        other_b = cuda.shfl_up_sync(FULL_MASK, b, offset)
+        if lane >= offset:
+            a += other_a
+            b += other_b
+        offset *= 2
+    return a, b
+
+
 @device_function()
 def block_inclusive_sums(a, b, scratch_a, scratch_b):
     """Inclusive prefix sums over the block's threads (in thread order) of the integers a and b, both at once:
@@ -175,14 +189,7 @@ def block_inclusive_sums(a, b, scratch_a, scratch_b):
     width = cuda.blockDim.x
     if USE_SHUFFLE and width >= WARP_SIZE:
         lane, warp = tid % WARP_SIZE, tid // WARP_SIZE
-        offset = 1
-        while offset < WARP_SIZE:
-            other_a = cuda.shfl_up_sync(FULL_MASK, a, offset)
-            other_b = cuda.shfl_up_sync(FULL_MASK, b, offset)
-            if lane >= offset:
-                a += other_a
-                b += other_b
-            offset *= 2
+        a, b = _warp_inclusive_sums(a, b, lane)
         if lane == WARP_SIZE - 1:
             scratch_a[warp] = a
             scratch_b[warp] = b
@@ -190,14 +197,7 @@ def block_inclusive_sums(a, b, scratch_a, scratch_b):
         if warp == 0:
             total_a = scratch_a[lane] if lane < width // WARP_SIZE else a * 0
             total_b = scratch_b[lane] if lane < width // WARP_SIZE else b * 0
-            offset = 1
-            while offset < WARP_SIZE:
-                other_a = cuda.shfl_up_sync(FULL_MASK, total_a, offset)
-                other_b = cuda.shfl_up_sync(FULL_MASK, total_b, offset)
-                if lane >= offset:
-                    total_a += other_a
-                    total_b += other_b
-                offset *= 2
+            total_a, total_b = _warp_inclusive_sums(total_a, total_b, lane)
             scratch_a[lane] = total_a  # warps 0 .. lane's totals
             scratch_b[lane] = total_b
         cuda.syncthreads()  # the warps' running totals are in scratch

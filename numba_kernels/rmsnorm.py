@@ -25,7 +25,7 @@ from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array, device_address, is_device_array
 from kdspec.numba_kernels.intrinsics import at2, at2_put, at2x4, at2x4_put
 from kdspec.numba_kernels.reductions import block_sum
-from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function, row_blocks
+from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function, row_blocks
 
 NORM_THREADS = 4 if ON_SIMULATOR else 256  # power of two (block_sum)
 QUAD = 4  # columns a thread reads in one access
@@ -84,6 +84,30 @@ def norm_kernels(vectorized: bool):
     """(rms_norm_kernel, add_rms_norm_kernel) with 16-byte quad accesses (vectorized) or element ones."""
     load, store = (_quad_vector, _put_quad_vector) if vectorized else (_quad_of_elements, _put_quad_of_elements)
 
+    @device_function(**INLINE_DEVICE)
+    def kept_sum_squares(kept):
+        """The squares of the quads kept in registers, summed in column order."""
+        partial = float32(0.0)
+        for k in range(ROW_QUADS):
+            partial = _sum_squares(partial, kept[4 * k], kept[4 * k + 1], kept[4 * k + 2], kept[4 * k + 3])
+        return partial
+
+    @device_function(**INLINE_DEVICE)
+    def write_normed(source, weight, out, row, first, step, width, kept, kept_weight, inv):
+        """out[row] = the row * inv * weight: the kept quads (source's row as read), then source's columns past them."""
+        for k in range(ROW_QUADS):
+            column = first + k * step
+            if column < width:
+                store(out, row, column, width, kept[4 * k] * inv * kept_weight[4 * k],
+                      kept[4 * k + 1] * inv * kept_weight[4 * k + 1], kept[4 * k + 2] * inv * kept_weight[4 * k + 2],
+                      kept[4 * k + 3] * inv * kept_weight[4 * k + 3])
+        column = first + ROW_QUADS * step
+        while column < width:
+            v0, v1, v2, v3 = load(source, row, column, width)
+            w0, w1, w2, w3 = load(weight, 0, column, width)
+            store(out, row, column, width, v0 * inv * w0, v1 * inv * w1, v2 * inv * w2, v3 * inv * w3)
+            column += step
+
     @kernel_cache.jit
     def rms_norm_kernel(x, weight, eps, out):
         """x float32 [s, d]; weight float32 [1, d]; eps float32; out float32 [s, d] (may alias x).
@@ -102,27 +126,14 @@ def norm_kernels(vectorized: bool):
                      kept_weight[4 * k + 3]) = load(weight, 0, column, width)
                 else:
                     kept[4 * k] = kept[4 * k + 1] = kept[4 * k + 2] = kept[4 * k + 3] = float32(0.0)
-            partial = float32(0.0)
-            for k in range(ROW_QUADS):
-                partial = _sum_squares(partial, kept[4 * k], kept[4 * k + 1], kept[4 * k + 2], kept[4 * k + 3])
+            partial = kept_sum_squares(kept)
             column = first + ROW_QUADS * step
             while column < width:
                 v0, v1, v2, v3 = load(x, row, column, width)
                 partial = _sum_squares(partial, v0, v1, v2, v3)
                 column += step
             inv = inverse_rms(block_sum(partial, scratch), width, eps)  # block_sum syncs: x read before out written
-            for k in range(ROW_QUADS):
-                column = first + k * step
-                if column < width:
-                    store(out, row, column, width, kept[4 * k] * inv * kept_weight[4 * k],
-                          kept[4 * k + 1] * inv * kept_weight[4 * k + 1], kept[4 * k + 2] * inv * kept_weight[4 * k + 2],
-                          kept[4 * k + 3] * inv * kept_weight[4 * k + 3])
-            column = first + ROW_QUADS * step
-            while column < width:
-                v0, v1, v2, v3 = load(x, row, column, width)
-                w0, w1, w2, w3 = load(weight, 0, column, width)
-                store(out, row, column, width, v0 * inv * w0, v1 * inv * w1, v2 * inv * w2, v3 * inv * w3)
-                column += step
+            write_normed(x, weight, out, row, first, step, width, kept, kept_weight, inv)
             row += cuda.gridDim.x
 
     @kernel_cache.jit
@@ -147,9 +158,7 @@ def norm_kernels(vectorized: bool):
                           kept[4 * k + 3])
                 else:
                     kept[4 * k] = kept[4 * k + 1] = kept[4 * k + 2] = kept[4 * k + 3] = float32(0.0)
-            partial = float32(0.0)
-            for k in range(ROW_QUADS):
-                partial = _sum_squares(partial, kept[4 * k], kept[4 * k + 1], kept[4 * k + 2], kept[4 * k + 3])
+            partial = kept_sum_squares(kept)
             column = first + ROW_QUADS * step
             while column < width:
                 r0, r1, r2, r3 = load(residual, row, column, width)
@@ -159,18 +168,7 @@ def norm_kernels(vectorized: bool):
                 partial = _sum_squares(partial, v0, v1, v2, v3)
                 column += step
             inv = inverse_rms(block_sum(partial, scratch), width, eps)
-            for k in range(ROW_QUADS):
-                column = first + k * step
-                if column < width:
-                    store(out, row, column, width, kept[4 * k] * inv * kept_weight[4 * k],
-                          kept[4 * k + 1] * inv * kept_weight[4 * k + 1], kept[4 * k + 2] * inv * kept_weight[4 * k + 2],
-                          kept[4 * k + 3] * inv * kept_weight[4 * k + 3])
-            column = first + ROW_QUADS * step
-            while column < width:
-                v0, v1, v2, v3 = load(residual, row, column, width)
-                w0, w1, w2, w3 = load(weight, 0, column, width)
-                store(out, row, column, width, v0 * inv * w0, v1 * inv * w1, v2 * inv * w2, v3 * inv * w3)
-                column += step
+            write_normed(residual, weight, out, row, first, step, width, kept, kept_weight, inv)
             row += cuda.gridDim.x
 
     return rms_norm_kernel, add_rms_norm_kernel
