@@ -1,7 +1,9 @@
 """Three moe_experts calls at k2-mini's 32 experts, s = 256, with MANY_PAIRS_CONFIG: a small process to put under
 Nsight Compute (tools/gpu_session.sh ncu-experts); with --sass, the staged gate_up kernel's SASS instruction mix
 (numba-cuda's inspect_sass: needs nvdisasm on PATH), the whole SASS written to $OUT/staged_gate_up.sass when OUT is
-set."""
+set. With --time "warps_t,warps_w,token_tiles,weight_tiles,stages;..." [--tokens 64,128,256]: the tensor-core kernels alone
+(grouped_swiglu_tc, CUDA events) at each token count for each TokenTiledConfig, after MANY_PAIRS_CONFIG, and
+whether each gives FEW_PAIRS_CONFIG's bits."""
 import collections, os, re, sys
 import numpy as np
 import torch
@@ -17,6 +19,38 @@ ids = cuda.to_device(np.argsort(rng.random((S, E)), 1)[:, :K].astype(np.int32))
 w = cuda.to_device(np.full((S, K), 1 / K, np.float32))
 x = cuda.to_device(rng.standard_normal((S, D)).astype(np.float32))
 config = tc.MANY_PAIRS_CONFIG
+
+
+def time_configs(configs, token_counts) -> None:
+    from kdspec.engine.bench.common import time_gpu
+    for s in token_counts:
+        s_ids = cuda.to_device(np.argsort(rng.random((s, E)), 1)[:, :K].astype(np.int32))
+        s_x = cuda.to_device(rng.standard_normal((s, D)).astype(np.float32))
+        plan = moe.plan_pairs(s_ids, E)
+        views = (moe.weight_view(cuda.as_cuda_array(gate_up), "w_gate_up"),
+                 moe.weight_view(cuda.as_cuda_array(down), "w_down"))
+        act = cuda.device_array((s * K, F), np.float32)
+        pair_out = cuda.device_array((s * K, D), np.float32)
+
+        def run(c):
+            tc.grouped_swiglu_tc(s_x, K, plan, *views, act, pair_out, config=c)
+        run(tc.FEW_PAIRS_CONFIG)
+        want = pair_out.copy_to_host()
+        for c in configs:
+            pair_out.copy_to_device(np.full((s * K, D), np.nan, np.float32))
+            run(c)
+            same = np.array_equal(pair_out.copy_to_host().view(np.uint32), want.view(np.uint32))
+            ms = 1e3 * time_gpu(lambda: run(c), 2, 10)
+            print(f"s={s:4d} {tuple(c.__dict__.values())} {ms:7.3f} ms  bits {'same' if same else 'DIFFER'}",
+                  flush=True)
+
+
+if "--time" in sys.argv:
+    spec = sys.argv[sys.argv.index("--time") + 1]
+    tokens = sys.argv[sys.argv.index("--tokens") + 1] if "--tokens" in sys.argv else "64,128,256"
+    time_configs([config] + [tc.TokenTiledConfig(*map(int, c.split(","))) for c in spec.split(";") if c],
+                 [int(t) for t in tokens.split(",")])
+    sys.exit(0)
 for _ in range(3):
     moe.moe_experts(x, ids, w, gate_up, down, tensor_cores=True, config=config)
 cuda.synchronize()

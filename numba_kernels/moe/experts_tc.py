@@ -152,7 +152,7 @@ K_SPLIT = 2 if ON_SIMULATOR else 4
 FEW_PAIRS_CONFIG = TcConfig(K_SPLIT, 1, 2 if ON_SIMULATOR else 4)  # AR and small trees: one tile, 4 chunks a step
 MID_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 3, 1 if ON_SIMULATOR else 2)  # 24 tokens a pass
 MORE_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 4, 2)  # 32 tokens a pass
-MANY_PAIRS_CONFIG = TokenTiledConfig(1, 2, 1, 2, 2) if ON_SIMULATOR else TokenTiledConfig(4, 2, 1, 4, 4)  # 64 a pass
+MANY_PAIRS_CONFIG = TokenTiledConfig(1, 2, 1, 2, 2) if ON_SIMULATOR else TokenTiledConfig(5, 2, 1, 4, 4)  # 80 a pass
 FEW_PAIRS = 6    # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
 MID_PAIRS = 20   # ... MID_PAIRS_CONFIG (k2-mini at s = 64: 16)
 MORE_PAIRS = 40  # ... MORE_PAIRS_CONFIG (k2-mini at s = 128: 32), else MANY_PAIRS_CONFIG (s = 256: 64)
