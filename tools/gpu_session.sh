@@ -28,6 +28,8 @@
 #     bash tools/gpu_session.sh ar-kernels  # the small kernels of an AR step: the invariant attention's launch shapes
 #                                          # (sweep), the norms', router's and attention's GPU tests, then e2e-tests
 #     bash tools/gpu_session.sh steps-profile  # bench e2e, then GPU time per kernel of AR and oracle B=7 / 63 / 255
+#     bash tools/gpu_session.sh many-pairs  # GPU time per kernel of the oracle B=255 step with each staged-experts
+#                                          # shape for many pairs (MANY_CONFIGS, e.g. "4,2,1,4,4 5,2,1,4,4"), side by side
 #     bash tools/gpu_session.sh moe-graphs  # kdtree bench moe, then the tensor-core experts' launch shapes at K2's
 #                                          # 384 experts as graph replays (MOE_CONFIGS: which, e.g. t0,t8)
 #     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
@@ -35,7 +37,7 @@
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|ar-kernels|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|steps-profile|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|ar-kernels|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|steps-profile|many-pairs|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -180,6 +182,13 @@ steps-profile)
     grep -a -E "^e2e " "$log" | cut -c1-230
     grep -a -E "^=====|ms/step|GPU idle" "$log" | cut -c1-190
     ;;
+many-pairs)
+    for config in ${MANY_CONFIGS:-4,2,1,4,4 5,2,1,4,4}; do
+        step "many-pairs $config" 150 python3 -W ignore tools/step_profile.py --kernels --budgets 255 --top 4 \
+            --many-pairs "$config"
+    done
+    grep -a -E "^MANY_PAIRS_CONFIG|^=====|token_tiled" "$log" | cut -c1-150
+    ;;
 moe-graphs)
     step bench-moe 240 "${kdtree[@]}" bench moe
     step tc-sweep-384 200 python3 -W ignore -m tools.sweeps.moe --tensor-cores --graphs --tokens 1,256 \
@@ -199,7 +208,7 @@ print(runner.format_table(spec.run(temperatures=t, budgets=tuple(int(x) for x in
     tail -n 60 "$log"
     ;;
 *)
-    echo "unknown group $group (record-k2, ar-kernels, profile-k2, train, tests, tests-k2, sample, e2e, device-steps, e2e-tests, host-turns, steps-profile, moe-graphs, profile-step, profile-kernels, invariance, experts-tc, experts-tc-e2e, ncu-experts, spec)" >&2
+    echo "unknown group $group (record-k2, ar-kernels, profile-k2, train, tests, tests-k2, sample, e2e, device-steps, e2e-tests, host-turns, steps-profile, many-pairs, moe-graphs, profile-step, profile-kernels, invariance, experts-tc, experts-tc-e2e, ncu-experts, spec)" >&2
     exit 2
     ;;
 esac

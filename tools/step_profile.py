@@ -6,7 +6,7 @@ profiler instead of cProfile, and per run the GPU kernels with the most GPU time
 time goes, not the host's).
 
     python3 -W ignore tools/step_profile.py [--model k2-mini] [--budgets 7,63] [--tokens 64] [--top 30] [--out DIR]
-                                            [--kernels | --timeline] [--variant]
+                                            [--kernels | --timeline] [--variant] [--many-pairs 5,2,1,4,4]
 
 Run on the GPU machine; ``--out`` also writes each run's pstats dump (snakeviz / pstats can read it).
 """
@@ -34,7 +34,13 @@ def main() -> None:
                         help="no profiler: per step, the host's turn from the results read to the next launch")
     parser.add_argument("--variant", action="store_true",
                         help="the bf16 model without batch invariance (the forward before issue #19)")
+    parser.add_argument("--many-pairs", default=None, metavar="WARPS_T,WARPS_W,TOKEN_TILES,WEIGHT_TILES,STAGES",
+                        help="the staged experts' launch shape for many pairs an expert (experts_tc.MANY_PAIRS_CONFIG)")
     args = parser.parse_args()
+    if args.many_pairs:  # before any forward: tc_config_for reads the module's MANY_PAIRS_CONFIG at each call
+        from kdspec.numba_kernels.moe import experts_tc
+        experts_tc.MANY_PAIRS_CONFIG = experts_tc.TokenTiledConfig(*map(int, args.many_pairs.split(",")))
+        print(f"MANY_PAIRS_CONFIG = {experts_tc.MANY_PAIRS_CONFIG}")
     from kdspec.engine.decode.config import DecodeConfig
     from kdspec.engine.decode.drafters import parse_drafter
     from kdspec.engine.decode.loop import generate
