@@ -1,9 +1,9 @@
 """Three moe_experts calls at k2-mini's 32 experts, s = 256, with MANY_PAIRS_CONFIG: a small process to put under
 Nsight Compute (tools/gpu_session.sh ncu-experts); with --sass, the staged gate_up kernel's SASS instruction mix
 (numba-cuda's inspect_sass: needs nvdisasm on PATH), the whole SASS written to $OUT/staged_gate_up.sass when OUT is
-set. With --time "warps_t,warps_w,token_tiles,weight_tiles,stages;..." [--tokens 64,128,256]: the tensor-core kernels alone
-(grouped_swiglu_tc, CUDA events) at each token count for each TokenTiledConfig, after MANY_PAIRS_CONFIG, and
-whether each gives FEW_PAIRS_CONFIG's bits."""
+set. With --time "warps_t,warps_w,token_tiles,weight_tiles,stages;..." [--tokens 64,128,256]: the tensor-core
+kernels alone (grouped_swiglu_tc, CUDA events) at each token count for each TokenTiledConfig, after
+MANY_PAIRS_CONFIG, and whether each gives FEW_PAIRS_CONFIG's bits."""
 import collections, os, re, sys
 import numpy as np
 import torch

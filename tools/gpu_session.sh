@@ -29,7 +29,7 @@
 #                                          # (sweep), the norms', router's and attention's GPU tests, then e2e-tests
 #     bash tools/gpu_session.sh steps-profile  # bench e2e, then GPU time per kernel of AR and oracle B=7 / 63 / 255
 #     bash tools/gpu_session.sh many-pairs  # GPU time per kernel of the oracle B=255 step with each staged-experts
-#                                          # shape for many pairs (MANY_CONFIGS, e.g. "4,2,1,4,4 5,2,1,4,4"), side by side
+#                                          # shape for many pairs, side by side (MANY_CONFIGS: "4,2,1,4,4 5,2,1,4,4")
 #     bash tools/gpu_session.sh moe-graphs  # kdtree bench moe, then the tensor-core experts' launch shapes at K2's
 #                                          # 384 experts as graph replays (MOE_CONFIGS: which, e.g. t0,t8)
 #     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
