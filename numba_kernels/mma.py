@@ -248,13 +248,16 @@ else:
                                                              (sig.args[2], args[2], sig.args[3], args[3])):
                     data = context.make_array(array_type)(context, builder, value=array).data
                     offset = context.cast(builder, index, index_type, types.intp)
-                    pointers.append(builder.ptrtoint(builder.gep(data, [offset], inbounds=True), i64))
+                    pointers.append(builder.gep(data, [offset], inbounds=True))
+                # the destination as a 32-bit shared address cast in the IR (not cvta in the asm), so that the
+                # compiler folds it into the shared array's own address instead of converting a generic one per copy
+                dst = builder.addrspacecast(pointers[0], pointers[0].type.pointee.as_pointer(3))
+                pointers = [builder.ptrtoint(dst, i32), builder.ptrtoint(pointers[1], i64)]
                 nbytes = builder.trunc(context.cast(builder, args[4], sig.args[4], types.int64), i32)
                 asm = ir.InlineAsm(
-                    ir.FunctionType(ir.VoidType(), [i64, i64, i32]),
-                    "{ .reg .u64 %sg; .reg .u32 %ss; cvta.to.shared.u64 %sg, $0; cvt.u32.u64 %ss, %sg; "
-                    f"cp.async.{cache_op}.shared.global [%ss], [$1], {cp_bytes}, $2; }}",
-                    "l,l,r,~{memory}", side_effect=True)
+                    ir.FunctionType(ir.VoidType(), [i32, i64, i32]),
+                    f"cp.async.{cache_op}.shared.global [$0], [$1], {cp_bytes}, $2;",
+                    "r,l,r,~{memory}", side_effect=True)
                 builder.call(asm, pointers + [nbytes])
                 return context.get_dummy_value()
             return types.void(dst, dst_index, src, src_index, src_bytes), codegen

@@ -471,29 +471,27 @@ def token_tiled_kernels(config: TokenTiledConfig):
     wait_for_chunk = copy_wait(stages - 2)
     zero_all = static_for(acc_size, _zero)
 
-    def copy_weights(i, args):
-        stage, at, w, sources, chunk, in_k = args
-        piece = cuda.threadIdx.x + i * threads
-        if piece < 4 * staged_rows:
-            valid = in_k and sources[i] >= 0
-            copy16(stage, at + 2 * piece, w, sources[i] + 8 * chunk if valid else 0, 16 if valid else 0)
+    def copy_piece(i, args):
+        """Copy i of this thread's chunk pieces (a weight row's or a token row's 16 bytes): piece_at[i] is where in
+        a slot it lands (-1: none for this thread), piece_from[i] the flat uint64 index of its row's first chunk
+        and piece_bytes[i] 16 (or 0: zeros past the expert's pairs). The per-pass work is done once (pass_pieces),
+        so a chunk's copies cost one address each."""
+        stage, at, source, piece_at, piece_from, piece_bytes, offset, in_k = args
+        if piece_at[i] >= 0:
+            copy16(stage, at + piece_at[i], source, piece_from[i] + offset, piece_bytes[i] if in_k else 0)
 
-    def copy_tokens(i, args):
-        stage, at, tokens, sources, chunk, in_k = args
-        piece = cuda.threadIdx.x + i * threads
-        if piece < 4 * tokens_per_pass:
-            valid = in_k and sources[i] >= 0
-            copy16(stage, at + 8 * staged_rows + 2 * piece, tokens, sources[i] + 8 * chunk if valid else 0,
-                   16 if valid else 0)
-
-    copy_all_weights = static_for(weight_copies, device_function(**INLINE_DEVICE)(copy_weights))
-    copy_all_tokens = static_for(token_copies, device_function(**INLINE_DEVICE)(copy_tokens))
+    copy_weight_pieces = static_for(weight_copies, device_function(**INLINE_DEVICE)(copy_piece))
+    copy_token_pieces = static_for(token_copies, device_function(**INLINE_DEVICE)(copy_piece))
 
     @device_function(**INLINE_DEVICE)
-    def copy_chunk(stage, slot, chunk, w, weight_sources, tokens, token_sources, n_chunks):
-        at, in_k = slot * slot_words, chunk < n_chunks
-        copy_all_weights((stage, at, w, weight_sources, chunk, in_k))
-        copy_all_tokens((stage, at, tokens, token_sources, chunk, in_k))
+    def copy_chunk(stage, slot, chunk, w, weight_at, weight_from, weight_bytes, tokens, token_at, token_from,
+                   token_bytes, n_chunks):
+        """Chunk ``chunk`` of the block's weight rows and the pass's tokens into slot ``slot`` (zeros past K)."""
+        in_k = chunk < n_chunks
+        offset = int64(8 * chunk) if in_k else int64(0)
+        at = int32(slot * slot_words)
+        copy_weight_pieces((stage, at, w, weight_at, weight_from, weight_bytes, offset, in_k))
+        copy_token_pieces((stage, at, tokens, token_at, token_from, token_bytes, offset, in_k))
 
     def load_token_tile(m, args):
         """Token tile m's rows g and g + 8 into a[8 m ..] and a[8 m + 4 ..]."""
@@ -570,8 +568,12 @@ def token_tiled_kernels(config: TokenTiledConfig):
             a = cuda.local.array(a_words, uint32)
             b = cuda.local.array(b_words, uint32)
             weight_rows = cuda.local.array(weight_tiles, int32)  # staged row of each weight tile's lane row g
-            weight_sources = cuda.local.array(weight_copies, int64)  # flat uint64 index of a copy's row, or -1
-            token_sources = cuda.local.array(token_copies, int64)
+            weight_at = cuda.local.array(weight_copies, int32)  # copy_piece's three per copy (weights, tokens)
+            weight_from = cuda.local.array(weight_copies, int64)
+            weight_bytes = cuda.local.array(weight_copies, int32)
+            token_at = cuda.local.array(token_copies, int32)
+            token_from = cuda.local.array(token_copies, int64)
+            token_bytes = cuda.local.array(token_copies, int32)
             warp = cuda.threadIdx.x // WARP
             ww, wt = warp % warps_w, warp // warps_w
             g, tq = (cuda.threadIdx.x % WARP) >> 2, cuda.threadIdx.x & 3
@@ -585,15 +587,16 @@ def token_tiled_kernels(config: TokenTiledConfig):
                     weight_rows[n] = 8 * weight_tiles * ww + 8 * n + g
             warp_row = first_row + (4 if gate_up else 8) * weight_tiles * ww  # its first output column / row
             first_token = 16 * token_tiles * wt
-            share = (n_chunks + K_SPLIT - 1) // K_SPLIT
-            chunks = share * K_SPLIT
+            share = int32((n_chunks + K_SPLIT - 1) // K_SPLIT)
+            chunks = int32(share * K_SPLIT)
             active = cuda.blockIdx.y
             while active < n_active[0]:  # block-uniform: the block syncs
                 expert = active_experts[active]
                 begin = expert_offsets[expert]
                 end = expert_offsets[expert + 1]
                 for i in range(weight_copies):
-                    row = (cuda.threadIdx.x + i * threads) >> 2  # staged row
+                    piece = cuda.threadIdx.x + i * threads
+                    row = piece >> 2  # staged row
                     if gate_up:
                         column = first_row + row % (staged_rows // 2)  # its intermediate row
                         source = column + (f if row >= staged_rows // 2 else 0)
@@ -601,41 +604,48 @@ def token_tiled_kernels(config: TokenTiledConfig):
                     else:
                         source = first_row + row
                         valid = source < w_rows
-                    weight_sources[i] = ((expert * w_rows + source) * row_words
-                                         + 2 * ((cuda.threadIdx.x + i * threads) & 3)) if valid else -1
+                    weight_at[i] = int32(2 * piece) if piece < 4 * staged_rows else int32(-1)
+                    weight_from[i] = (expert * w_rows + source) * row_words + 2 * (piece & 3) if valid else 0
+                    weight_bytes[i] = int32(16) if valid else int32(0)
                 for base in range(begin, end, tokens_per_pass):
                     for i in range(token_copies):
                         piece = cuda.threadIdx.x + i * threads
                         pair = base + (piece >> 2)
-                        source = -1
+                        token_at[i] = int32(8 * staged_rows + 2 * piece) if piece < 4 * tokens_per_pass else int32(-1)
+                        token_from[i] = 0
+                        token_bytes[i] = int32(0)
                         if pair < end:
-                            source = ((sorted_pairs[pair] // k if gate_up else pair) * token_words
-                                      + 2 * (piece & 3))
-                        token_sources[i] = source
+                            token_from[i] = ((sorted_pairs[pair] // k if gate_up else pair) * token_words
+                                             + 2 * (piece & 3))
+                            token_bytes[i] = int32(16)
                     m_used = min(token_tiles, max(0, (end - base - first_token + 15) // 16))
                     for chunk in range(stages - 1):  # prologue: stages - 1 chunks in flight
                         if chunk < chunks:
-                            copy_chunk(stage, chunk, chunk, w, weight_sources, tokens, token_sources, n_chunks)
+                            copy_chunk(stage, chunk, chunk, w, weight_at, weight_from, weight_bytes, tokens, token_at,
+                                       token_from, token_bytes, n_chunks)
                         copy_commit()  # (an empty group keeps the count uniform)
                     zero_all(acc)
-                    slot, fill_slot, share_left, first_share = 0, stages - 1, share, True
-                    for chunk in range(chunks):
+                    # 32-bit counters: the chunk loop is issue-bound, and 64-bit ones cost two instructions a step
+                    slot, fill_slot, share_left, first_share = int32(0), int32(stages - 1), int32(share), True
+                    chunk = int32(0)
+                    while chunk < chunks:
                         wait_for_chunk()
                         cuda.syncthreads()  # every thread's copies landed; the slot refilled next is read
                         if chunk + stages - 1 < chunks:
-                            copy_chunk(stage, fill_slot, chunk + stages - 1, w, weight_sources, tokens,
-                                       token_sources, n_chunks)
+                            copy_chunk(stage, fill_slot, chunk + stages - 1, w, weight_at, weight_from, weight_bytes,
+                                       tokens, token_at, token_from, token_bytes, n_chunks)
                         copy_commit()
-                        fill_slot = 0 if fill_slot == stages - 1 else fill_slot + 1
-                        at = slot * slot_words + 2 * tq
+                        fill_slot = int32(0) if fill_slot == stages - 1 else int32(fill_slot + 1)
+                        at = int32(slot * slot_words + 2 * tq)
                         load_token_tiles((stage, at, first_token, a))
                         load_weight_tiles((stage, at, weight_rows, b))
                         chunk_mma((acc, a, b, m_used, scratch))
-                        slot = 0 if slot == stages - 1 else slot + 1
-                        share_left -= 1
+                        slot = int32(0) if slot == stages - 1 else int32(slot + 1)
+                        share_left = int32(share_left - 1)
                         if share_left == 0:
                             fold_all((acc, total, first_share))
-                            first_share, share_left = False, share
+                            first_share, share_left = False, int32(share)
+                        chunk = int32(chunk + 1)
                     if gate_up:
                         store_act_all((total, out, base + first_token, end, warp_row, f))
                     else:
