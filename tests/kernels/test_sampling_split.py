@@ -25,7 +25,8 @@ def _logits(rows, vocab, seed, tied):
 
 @pytest.mark.parametrize("rows, vocab, chunk, k, tied, seed", [
     (1, 37, 8, 4, False, 0), (3, 64, 16, 5, True, 1), (2, 50, 7, 1, True, 2), (1, 9, 4, 8, True, 3),
-    (4, 33, 32, 2, False, 4), (2, 40, 5, 3, True, 5)])
+    (4, 33, 32, 2, False, 4), (2, 40, 5, 3, True, 5),
+    (2, 700, 300, 4, True, 6), (1, 1000, 1000, 3, False, 7)])  # a thread's entries over several prefetches
 def test_split_topk_and_argmax_match_numpy(rows, vocab, chunk, k, tied, seed):
     logits = _logits(rows, vocab, seed, tied)
     want_ids, want_values, want_margin = _reference_topk(logits, k)
@@ -60,3 +61,16 @@ def test_large_vocab_takes_the_split_path(monkeypatch):
     ids, _, _ = sampling.topk_rows(cuda.to_device(logits), 3)
     assert calls == [8]
     np.testing.assert_array_equal(ids.copy_to_host(), _reference_topk(logits, 3)[0])
+
+
+@pytest.mark.parametrize("vocab, tied", [(5, True), (300, True), (1000, False)])
+def test_unsplit_topk_over_several_prefetches(vocab, tied):
+    """One block a row (topk_rows_kernel): a thread ranks its entries sampling.PREFETCH at a time; with more
+    entries than one prefetch per thread and a partial last one, the result is still numpy's, ties included."""
+    logits = _logits(3, vocab, 8, tied)
+    assert vocab <= sampling.SPLIT_MIN_VOCAB
+    want_ids, want_values, want_margin = _reference_topk(logits, 4 if vocab >= 4 else vocab)
+    ids, values, margins = sampling.topk_rows(cuda.to_device(logits), want_ids.shape[1])
+    np.testing.assert_array_equal(ids.copy_to_host(), want_ids)
+    np.testing.assert_array_equal(values.copy_to_host(), want_values)
+    np.testing.assert_array_equal(margins.copy_to_host(), want_margin)
