@@ -95,7 +95,8 @@ def mix(lines: list[str]) -> collections.Counter:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help="TcConfig (4 numbers) or TokenTiledConfig (5-6), comma-separated")
+    parser.add_argument("--config", default=None,
+                        help="TcConfig (4 numbers) or TokenTiledConfig (5-6), comma-separated")
     parser.add_argument("--down", action="store_true", help="the down kernel (default: gate_up)")
     parser.add_argument("--out", type=Path, default=None, help="write the PTX and SASS here")
     parser.add_argument("--tools", type=Path, default=None, help="extracted nvdisasm / nvrtc wheels (see above)")
