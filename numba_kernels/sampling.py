@@ -20,8 +20,7 @@ from numba import cuda, float32, float64, int32, uint64
 from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import as_device_array as to_device
 from kdspec.numba_kernels.reductions import INT32_MAX, block_argmax, block_max, block_sum
-from kdspec.numba_kernels.runtime import (INLINE_DEVICE, MAX_ROW_BLOCKS, ON_SIMULATOR, device_function,
-                                          row_blocks, static_for)
+from kdspec.numba_kernels.runtime import MAX_ROW_BLOCKS, ON_SIMULATOR, device_function, row_blocks
 from kdspec.numba_kernels.topk_select import topk_select_rows
 
 ROW_THREADS = 8 if ON_SIMULATOR else 256
@@ -111,52 +110,25 @@ def log_softmax_rows_kernel(logits, out):
             out[row, v] = (logits[row, v] - best) - log_total
 
 
-PREFETCH = 16  # entries a thread loads before ranking them: one memory latency for 16 entries, not one each
-
-
-def _load_entry(i, args):
-    """values[i] = logits[row, v0 + i * step] (-inf past stop)."""
-    logits, row, v0, step, stop, values = args
-    v = v0 + i * step
-    values[i] = logits[row, v] if v < stop else float32(-math.inf)
-
-
-def _rank_entry(i, args):
-    """Entry i of the loaded ones into this thread's sorted best ``rounds`` (held[0] of them so far)."""
-    values, v0, step, stop, rounds, mine, mine_ids, held = args
-    v = v0 + i * step
-    if v < stop:
-        value = values[i]
-        count = held[0]
-        if count < rounds or value > mine[rounds - 1]:  # equal to the worst kept loses: this thread's ids increase
-            slot = count if count < rounds else rounds - 1
-            while slot > 0 and value > mine[slot - 1]:  # insertion: strictly better moves up
-                mine[slot] = mine[slot - 1]
-                mine_ids[slot] = mine_ids[slot - 1]
-                slot -= 1
-            mine[slot] = value
-            mine_ids[slot] = v
-            if count < rounds:
-                held[0] = count + 1
-
-
-_load_entries = static_for(PREFETCH, device_function(**INLINE_DEVICE)(_load_entry))
-_rank_entries = static_for(PREFETCH, device_function(**INLINE_DEVICE)(_rank_entry))
-
-
 @device_function()
 def _keep_best(logits, row, first, stop, rounds, mine, mine_ids):
     """This thread's best ``rounds`` entries of logits[row, first:stop:blockDim.x], sorted (value descending,
-    ties -> lower id) into mine / mine_ids (local arrays); returns how many it holds (<= rounds). The entries are
-    loaded PREFETCH at a time before any is ranked, in the same order as one by one."""
-    held = cuda.local.array(1, int32)
-    values = cuda.local.array(PREFETCH, float32)
-    held[0] = 0
-    step = cuda.blockDim.x
-    for v0 in range(first, stop, PREFETCH * step):
-        _load_entries((logits, row, v0, step, stop, values))
-        _rank_entries((values, v0, step, stop, rounds, mine, mine_ids, held))
-    return held[0]
+    ties -> lower id) into mine / mine_ids (local arrays); returns how many it holds (<= rounds)."""
+    held = 0
+    for v in range(first, stop, cuda.blockDim.x):
+        value = logits[row, v]
+        if held == rounds and not value > mine[rounds - 1]:
+            continue  # not better than the worst kept (equal loses: this thread's ids increase)
+        slot = held if held < rounds else rounds - 1
+        while slot > 0 and value > mine[slot - 1]:  # insertion: strictly better moves up
+            mine[slot] = mine[slot - 1]
+            mine_ids[slot] = mine_ids[slot - 1]
+            slot -= 1
+        mine[slot] = value
+        mine_ids[slot] = v
+        if held < rounds:
+            held += 1
+    return held
 
 
 @kernel_cache.jit

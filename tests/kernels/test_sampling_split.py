@@ -26,7 +26,7 @@ def _logits(rows, vocab, seed, tied):
 @pytest.mark.parametrize("rows, vocab, chunk, k, tied, seed", [
     (1, 37, 8, 4, False, 0), (3, 64, 16, 5, True, 1), (2, 50, 7, 1, True, 2), (1, 9, 4, 8, True, 3),
     (4, 33, 32, 2, False, 4), (2, 40, 5, 3, True, 5),
-    (2, 700, 300, 4, True, 6), (1, 1000, 1000, 3, False, 7)])  # a thread's entries over several prefetches
+    (2, 700, 300, 4, True, 6), (1, 1000, 1000, 3, False, 7)])  # many entries a thread, a partial last round
 def test_split_topk_and_argmax_match_numpy(rows, vocab, chunk, k, tied, seed):
     logits = _logits(rows, vocab, seed, tied)
     want_ids, want_values, want_margin = _reference_topk(logits, k)
@@ -64,12 +64,12 @@ def test_large_vocab_takes_the_split_path(monkeypatch):
 
 
 @pytest.mark.parametrize("vocab, tied", [(5, True), (300, True), (1000, False)])
-def test_unsplit_topk_over_several_prefetches(vocab, tied):
-    """One block a row (topk_rows_kernel): a thread ranks its entries sampling.PREFETCH at a time; with more
-    entries than one prefetch per thread and a partial last one, the result is still numpy's, ties included."""
+def test_unsplit_topk_matches_numpy(vocab, tied):
+    """One block a row (topk_rows_kernel), with fewer entries than threads and with many a thread: numpy's top-k,
+    ties included."""
     logits = _logits(3, vocab, 8, tied)
     assert vocab <= sampling.SPLIT_MIN_VOCAB
-    want_ids, want_values, want_margin = _reference_topk(logits, 4 if vocab >= 4 else vocab)
+    want_ids, want_values, want_margin = _reference_topk(logits, min(4, vocab))
     ids, values, margins = sampling.topk_rows(cuda.to_device(logits), want_ids.shape[1])
     np.testing.assert_array_equal(ids.copy_to_host(), want_ids)
     np.testing.assert_array_equal(values.copy_to_host(), want_values)
