@@ -474,8 +474,8 @@ def token_tiled_kernels(config: TokenTiledConfig):
     def copy_piece(i, args):
         """Copy i of this thread's chunk pieces (a weight row's or a token row's 16 bytes): piece_at[i] is where in
         a slot it lands (-1: none for this thread), piece_from[i] the flat uint64 index of its row's first chunk
-        and piece_bytes[i] 16 (or 0: zeros past the expert's pairs). The per-pass work is done once (pass_pieces),
-        so a chunk's copies cost one address each."""
+        and piece_bytes[i] 16 (or 0: zeros past the expert's pairs), all set once a pass by the kernel, so that a
+        chunk's copies cost one address each."""
         stage, at, source, piece_at, piece_from, piece_bytes, offset, in_k = args
         if piece_at[i] >= 0:
             copy16(stage, at + piece_at[i], source, piece_from[i] + offset, piece_bytes[i] if in_k else 0)
