@@ -23,6 +23,7 @@
 #                                          # against the stages one by one; k2-mini decodes), then bench e2e
 #     bash tools/gpu_session.sh host-turns  # per step, unprofiled: the host's turn from the results read to the next
 #                                          # launch (AR, oracle B=7..255); then GPU time per kernel at B=63..255
+#     bash tools/gpu_session.sh host-spread  # the host turns unpinned, then pinned to one core (CORE, default 2)
 #     bash tools/gpu_session.sh e2e-tests  # bench e2e, then the unpadded products', stamps' and device steps' tests
 #                                          # and the k2-mini invariance test (WITH_FP32=1: and fp32 k2-mini == golden)
 #     bash tools/gpu_session.sh ar-kernels  # the small kernels of an AR step: the invariant attention's launch shapes
@@ -37,7 +38,7 @@
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|ar-kernels|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|steps-profile|many-pairs|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
+group=${1:?usage: tools/gpu_session.sh record-k2|ar-kernels|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -159,6 +160,14 @@ host-turns)
     step profile-kernels 300 python3 -W ignore tools/step_profile.py --kernels --budgets 63,127,255 --top "${TOP:-24}"
     grep -a -E "host turn|no host turn" "$log" | cut -c1-220
     grep -a -E "^=====|ms/step|GPU idle" "$log" | cut -c1-190
+    ;;
+host-spread)
+    # whether the host's turn moves with the CPU it runs on: the same timeline unpinned, then on one core
+    grep -m1 "model name" /proc/cpuinfo >>"$log"
+    step timeline-unpinned 240 python3 -W ignore tools/step_profile.py --timeline --budgets 7,127,255
+    step timeline-pinned 240 taskset -c "${CORE:-2}" python3 -W ignore tools/step_profile.py --timeline \
+        --budgets 7,127,255
+    grep -a -E "model name|^===|host turn|no host turn" "$log" | cut -c1-220
     ;;
 e2e-tests)
     step bench-e2e 300 "${kdtree[@]}" bench e2e
