@@ -4,7 +4,7 @@ Nsight Compute (tools/gpu_session.sh ncu-experts); with --sass, the staged gate_
 set. With --time "warps_t,warps_w,token_tiles,weight_tiles,stages;..." [--tokens 64,128,256]: the tensor-core
 kernels alone (grouped_swiglu_tc, CUDA events) at each token count for each TokenTiledConfig, after
 MANY_PAIRS_CONFIG, and whether each gives FEW_PAIRS_CONFIG's bits."""
-import collections, os, re, sys
+import os, sys
 import numpy as np
 import torch
 from numba import cuda
@@ -57,8 +57,10 @@ cuda.synchronize()
 if "--sass" in sys.argv:
     kernel = config.kernels()[0]
     sass = next(iter(kernel.inspect_sass().values())) if hasattr(kernel, "inspect_sass") else ""
-    ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?P\d+\s+)?([A-Z][A-Z0-9.]*)", sass))
+    from tools.experts_sass import main_loop, mix  # the same counts as offline (run from the repository root)
+    ops, loop = mix(sass.splitlines()), mix(main_loop(sass.splitlines()))
     print("SASS total", sum(ops.values()), ops.most_common(30))
+    print("main loop", sum(loop.values()), "instructions,", loop["HMMA"], "HMMA:", loop.most_common(16))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "staged_gate_up.sass"), "w") as out:
             out.write(sass)

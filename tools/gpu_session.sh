@@ -38,7 +38,12 @@
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-group=${1:?usage: tools/gpu_session.sh record-k2|ar-kernels|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec}
+groups="record-k2|ar-kernels|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec"  # the one list of groups: usage and the unknown-group message
+group=${1:?usage: tools/gpu_session.sh $groups}
+case "|$groups|" in
+*"|$group|"*) ;;
+*) echo "unknown group $group ($groups)" >&2; exit 2 ;;
+esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -f /tmp/site/numpy/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -215,10 +220,6 @@ t, b = (tuple(float(x) for x in a.split(',')) for a in sys.argv[1:])
 print(runner.format_table(spec.run(temperatures=t, budgets=tuple(int(x) for x in b))))" "${2:-0,1}" \
         "${3:-8,16,32,64,128,256}"
     tail -n 60 "$log"
-    ;;
-*)
-    echo "unknown group $group (record-k2, ar-kernels, profile-k2, train, tests, tests-k2, sample, e2e, device-steps, e2e-tests, host-turns, steps-profile, many-pairs, moe-graphs, profile-step, profile-kernels, invariance, experts-tc, experts-tc-e2e, ncu-experts, spec)" >&2
-    exit 2
     ;;
 esac
 printf '%s\n' "${summary[@]}"
