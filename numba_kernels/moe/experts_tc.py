@@ -474,8 +474,8 @@ def token_tiled_kernels(config: TokenTiledConfig):
     def copy_piece(i, args):
         """Copy i of this thread's chunk pieces (a weight row's or a token row's 16 bytes): piece_at[i] is where in
         a slot it lands (-1: none for this thread), piece_from[i] the flat uint64 index of its row's first chunk
-        and piece_bytes[i] 16 (or 0: zeros past the expert's pairs), all set once a pass by the kernel, so that a
-        chunk's copies cost one address each."""
+        and piece_bytes[i] 16 (or 0: zeros past the expert's pairs); the kernel sets piece_at once and the others
+        once an expert (weights) or a pass (tokens), so that a chunk's copies cost one address each."""
         stage, at, source, piece_at, piece_from, piece_bytes, offset, in_k = args
         if piece_at[i] >= 0:
             copy16(stage, at + piece_at[i], source, piece_from[i] + offset, piece_bytes[i] if in_k else 0)
@@ -589,6 +589,12 @@ def token_tiled_kernels(config: TokenTiledConfig):
             first_token = 16 * token_tiles * wt
             share = int32((n_chunks + K_SPLIT - 1) // K_SPLIT)
             chunks = int32(share * K_SPLIT)
+            for i in range(weight_copies):  # where this thread's pieces land in a slot: the same for every pass
+                piece = cuda.threadIdx.x + i * threads
+                weight_at[i] = int32(2 * piece) if piece < 4 * staged_rows else int32(-1)
+            for i in range(token_copies):
+                piece = cuda.threadIdx.x + i * threads
+                token_at[i] = int32(8 * staged_rows + 2 * piece) if piece < 4 * tokens_per_pass else int32(-1)
             active = cuda.blockIdx.y
             while active < n_active[0]:  # block-uniform: the block syncs
                 expert = active_experts[active]
@@ -604,14 +610,12 @@ def token_tiled_kernels(config: TokenTiledConfig):
                     else:
                         source = first_row + row
                         valid = source < w_rows
-                    weight_at[i] = int32(2 * piece) if piece < 4 * staged_rows else int32(-1)
                     weight_from[i] = (expert * w_rows + source) * row_words + 2 * (piece & 3) if valid else 0
                     weight_bytes[i] = int32(16) if valid else int32(0)
                 for base in range(begin, end, tokens_per_pass):
                     for i in range(token_copies):
                         piece = cuda.threadIdx.x + i * threads
                         pair = base + (piece >> 2)
-                        token_at[i] = int32(8 * staged_rows + 2 * piece) if piece < 4 * tokens_per_pass else int32(-1)
                         token_from[i] = 0
                         token_bytes[i] = int32(0)
                         if pair < end:
