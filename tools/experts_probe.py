@@ -2,8 +2,10 @@
 Nsight Compute (tools/gpu_session.sh ncu-experts); with --sass, the staged gate_up kernel's SASS instruction mix
 (numba-cuda's inspect_sass: needs nvdisasm on PATH), the whole SASS written to $OUT/staged_gate_up.sass when OUT is
 set. With --time "warps_t,warps_w,token_tiles,weight_tiles,stages;..." [--tokens 64,128,256]: the tensor-core
-kernels alone (grouped_swiglu_tc, CUDA events) at each token count for each TokenTiledConfig, after
-MANY_PAIRS_CONFIG, and whether each gives FEW_PAIRS_CONFIG's bits."""
+kernels alone (grouped_swiglu_tc, CUDA events) at each token count for each StagedConfig, after
+MANY_PAIRS_CONFIG, and whether each gives FEW_PAIRS_CONFIG's bits; with --against OLD.py (a copy of an earlier
+experts_tc.py, whose kernels read the weights in their natural layout), that module's MANY_PAIRS_CONFIG in the same
+process, side by side, and whether it gives the same bits."""
 import os, sys
 import numpy as np
 import torch
@@ -12,8 +14,9 @@ from kdspec.numba_kernels.moe import experts as moe
 from kdspec.numba_kernels.moe import experts_tc as tc
 E, K, D, F, S = 32, 8, 7168, 2048, 256
 g = torch.Generator(device="cuda").manual_seed(0)
-gate_up = (torch.randn(E, 2 * F, D, device="cuda", generator=g) * D ** -0.5).to(torch.bfloat16).view(torch.int16)
-down = (torch.randn(E, D, F, device="cuda", generator=g) * F ** -0.5).to(torch.bfloat16).view(torch.int16)
+natural = ((torch.randn(E, 2 * F, D, device="cuda", generator=g) * D ** -0.5).to(torch.bfloat16).view(torch.int16),
+           (torch.randn(E, D, F, device="cuda", generator=g) * F ** -0.5).to(torch.bfloat16).view(torch.int16))
+gate_up, down = (tc.fragment_layout(t) for t in natural)  # the layout the tensor-core kernels read
 rng = np.random.default_rng(0)
 ids = cuda.to_device(np.argsort(rng.random((S, E)), 1)[:, :K].astype(np.int32))
 w = cuda.to_device(np.full((S, K), 1 / K, np.float32))
@@ -21,8 +24,18 @@ x = cuda.to_device(rng.standard_normal((S, D)).astype(np.float32))
 config = tc.MANY_PAIRS_CONFIG
 
 
-def time_configs(configs, token_counts) -> None:
+def load_against(path):
+    """An earlier experts_tc.py as a module of its own (its kernels beside today's in one process)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("experts_tc_against", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_configs(configs, token_counts, against=None) -> None:
     from kdspec.engine.bench.common import time_gpu
+    natural_views = tuple(moe.weight_view(cuda.as_cuda_array(t), name) for t, name in zip(natural, ("g", "d")))
     for s in token_counts:
         s_ids = cuda.to_device(np.argsort(rng.random((s, E)), 1)[:, :K].astype(np.int32))
         s_x = cuda.to_device(rng.standard_normal((s, D)).astype(np.float32))
@@ -43,13 +56,25 @@ def time_configs(configs, token_counts) -> None:
             ms = 1e3 * time_gpu(lambda: run(c), 2, 10)
             print(f"s={s:4d} {tuple(c.__dict__.values())} {ms:7.3f} ms  bits {'same' if same else 'DIFFER'}",
                   flush=True)
+        if against is not None:
+            old = against.MANY_PAIRS_CONFIG
+
+            def run_old():
+                against.grouped_swiglu_tc(s_x, K, plan, *natural_views, act, pair_out, config=old)
+            pair_out.copy_to_device(np.full((s * K, D), np.nan, np.float32))
+            run_old()
+            same = np.array_equal(pair_out.copy_to_host().view(np.uint32), want.view(np.uint32))
+            ms = 1e3 * time_gpu(run_old, 2, 10)
+            print(f"s={s:4d} against {tuple(old.__dict__.values())} {ms:7.3f} ms  bits "
+                  f"{'same' if same else 'DIFFER'}", flush=True)
 
 
 if "--time" in sys.argv:
     spec = sys.argv[sys.argv.index("--time") + 1]
     tokens = sys.argv[sys.argv.index("--tokens") + 1] if "--tokens" in sys.argv else "64,128,256"
-    time_configs([config] + [tc.TokenTiledConfig(*map(int, c.split(","))) for c in spec.split(";") if c],
-                 [int(t) for t in tokens.split(",")])
+    against = load_against(sys.argv[sys.argv.index("--against") + 1]) if "--against" in sys.argv else None
+    time_configs([config] + [tc.StagedConfig(*map(int, c.split(","))) for c in spec.split(";") if c],
+                 [int(t) for t in tokens.split(",")], against)
     sys.exit(0)
 for _ in range(3):
     moe.moe_experts(x, ids, w, gate_up, down, tensor_cores=True, config=config)

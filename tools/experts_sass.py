@@ -8,7 +8,7 @@ HMMA is the figure to lower before spending device time on timing it.
 
     python3 tools/experts_sass.py [--config 5,2,1,4,4] [--down] [--out DIR] [--tools DIR]
 
---config: four numbers are a TcConfig (streaming), five or six a TokenTiledConfig (staged); default
+--config: four numbers are a TcConfig (streaming), five or six a StagedConfig (staged); default
 MANY_PAIRS_CONFIG. Needs ptxas (the CUDA toolkit) on PATH, and nvdisasm and libnvrtc, which pip can fetch without
 installing anything:
 
@@ -61,14 +61,15 @@ def compile_ptx(config_text: str | None, down: bool) -> tuple[str, str]:
     elif len(numbers) == 4:
         config = tc.TcConfig(*numbers)
     elif len(numbers) in (5, 6):
-        config = tc.TokenTiledConfig(*numbers)
+        config = tc.StagedConfig(*numbers)
     else:
-        raise ValueError(f"--config takes 4 numbers (TcConfig) or 5-6 (TokenTiledConfig), got {config_text}")
+        raise ValueError(f"--config takes 4 numbers (TcConfig) or 5-6 (StagedConfig), got {config_text}")
     kernel = config.kernels()[1 if down else 0]
-    words = types.Array(types.uint64, 3, "C")
+    tokens = types.Array(types.uint64, 3, "C")
+    weights = types.Array(types.uint64, 1, "C")  # fragment_layout as uint64 1-D
     index = types.Array(types.int32, 1, "C")
     out = types.Array(types.float32 if down else types.uint16, 2, "C")
-    signature = (words, words, types.int64, types.int64, types.int64, index, index, index, index, out)
+    signature = (tokens, weights) + (types.int64,) * 4 + (index,) * 4 + (out,)
     ptx, _ = numba_compile_ptx(kernel.py_func, signature, cc=(9, 0))
     name = f"{'down' if down else 'gate_up'}_{type(config).__name__}_{'_'.join(map(str, config.__dict__.values()))}"
     return ptx, name
@@ -96,7 +97,7 @@ def mix(lines: list[str]) -> collections.Counter:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None,
-                        help="TcConfig (4 numbers) or TokenTiledConfig (5-6), comma-separated")
+                        help="TcConfig (4 numbers) or StagedConfig (5-6), comma-separated")
     parser.add_argument("--down", action="store_true", help="the down kernel (default: gate_up)")
     parser.add_argument("--out", type=Path, default=None, help="write the PTX and SASS here")
     parser.add_argument("--tools", type=Path, default=None, help="extracted nvdisasm / nvrtc wheels (see above)")

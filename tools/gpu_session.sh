@@ -30,7 +30,11 @@
 #                                          # (sweep), the norms', router's and attention's GPU tests, then e2e-tests
 #     bash tools/gpu_session.sh steps-profile  # bench e2e, then GPU time per kernel of AR and oracle B=7 / 63 / 255
 #     bash tools/gpu_session.sh many-pairs  # GPU time per kernel of the oracle B=255 step with each staged-experts
-#                                          # shape for many pairs, side by side (MANY_CONFIGS: "4,2,1,4,4 5,2,1,4,4")
+#                                          # shape for many pairs, side by side (MANY_CONFIGS: "5,2,2,2,4 4,2,2,4,4")
+#     AGAINST=old_experts_tc.py bash tools/gpu_session.sh experts-against  # the staged experts alone at s = 64,
+#                                          # 128, 256: MANY_PAIRS_CONFIG and STAGED_CONFIGS against an earlier
+#                                          # experts_tc.py (git show REV:numba_kernels/moe/experts_tc.py > FILE,
+#                                          # untracked so that it travels), times and bits side by side
 #     bash tools/gpu_session.sh moe-graphs  # kdtree bench moe, then the tensor-core experts' launch shapes at K2's
 #                                          # 384 experts as graph replays (MOE_CONFIGS: which, e.g. t0,t8)
 #     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
@@ -38,7 +42,7 @@
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-groups="record-k2|ar-kernels|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec"  # the one list of groups: usage and the unknown-group message
+groups="record-k2|ar-kernels|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|experts-against|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec"  # the one list of groups: usage and the unknown-group message
 group=${1:?usage: tools/gpu_session.sh $groups}
 case "|$groups|" in
 *"|$group|"*) ;;
@@ -197,11 +201,16 @@ steps-profile)
     grep -a -E "^=====|ms/step|GPU idle" "$log" | cut -c1-190
     ;;
 many-pairs)
-    for config in ${MANY_CONFIGS:-4,2,1,4,4 5,2,1,4,4}; do
+    for config in ${MANY_CONFIGS:-5,2,2,2,4 4,2,2,4,4}; do
         step "many-pairs $config" 150 python3 -W ignore tools/step_profile.py --kernels --budgets 255 --top 4 \
             --many-pairs "$config"
     done
-    grep -a -E "^MANY_PAIRS_CONFIG|^=====|token_tiled" "$log" | cut -c1-150
+    grep -a -E "^MANY_PAIRS_CONFIG|^=====|staged_kernels" "$log" | cut -c1-150
+    ;;
+experts-against)
+    step experts-against 400 python3 -W ignore tools/experts_probe.py --tokens 64,128,256 \
+        --time "${STAGED_CONFIGS:-4,2,2,4,4;2,4,4,2,4;2,2,4,2,4}" --against "${AGAINST:?AGAINST=an earlier experts_tc.py}"
+    grep -a -E "^s= *[0-9]+ " "$log" | cut -c1-150
     ;;
 moe-graphs)
     step bench-moe 240 "${kdtree[@]}" bench moe

@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.many_pairs:  # before any forward: tc_config_for reads the module's MANY_PAIRS_CONFIG at each call
         from kdspec.numba_kernels.moe import experts_tc
-        experts_tc.MANY_PAIRS_CONFIG = experts_tc.TokenTiledConfig(*map(int, args.many_pairs.split(",")))
+        experts_tc.MANY_PAIRS_CONFIG = experts_tc.StagedConfig(*map(int, args.many_pairs.split(",")))
         print(f"MANY_PAIRS_CONFIG = {experts_tc.MANY_PAIRS_CONFIG}")
     from kdspec.engine.decode.config import DecodeConfig
     from kdspec.engine.decode.drafters import parse_drafter

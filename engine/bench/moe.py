@@ -15,6 +15,7 @@ from numba import cuda
 
 from kdspec.engine.bench.common import ceilings, progress, row, time_gpu, time_graph, torch_cuda
 from kdspec.numba_kernels.moe.experts import moe_experts
+from kdspec.numba_kernels.moe.experts_tc import fragment_layout
 
 SUITE = "moe"
 TARGET_FRACTION = 0.6  # of the measured copy bandwidth, at 64 tokens
@@ -40,18 +41,21 @@ def _torch_moe(torch, x_bf16, groups, weights, gate_up, down, out):
 
 
 def _expert_weights(torch, experts: int, d: int, f: int, rng: np.random.Generator):
-    """(gate_up, down) bf16 bits as device arrays [e, 2f, d] / [e, d, f], and the same as torch tensors
-    (None without torch). With torch the 34 GB of bf16 weights are generated on the GPU."""
+    """(gate_up, down) bf16 bits as device arrays [e, 2f, d] / [e, d, f], the same as torch tensors and the same
+    in the tensor-core kernels' fragment_layout (None, None, None without torch). With torch the 34 GB of bf16
+    weights (and their 34 GB in fragment_layout) are made on the GPU."""
     if torch is None:
         bits = lambda a: (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
         gate_up = cuda.to_device(bits(rng.standard_normal((experts, 2 * f, d)) * d ** -0.5))
         down = cuda.to_device(bits(rng.standard_normal((experts, d, f)) * f ** -0.5))
-        return gate_up, down, None, None
+        return gate_up, down, None, None, None
     gen = torch.Generator(device="cuda").manual_seed(0)
     gate_up_t = torch.randn((experts, 2 * f, d), generator=gen, device="cuda", dtype=torch.bfloat16).mul_(d ** -0.5)
     down_t = torch.randn((experts, d, f), generator=gen, device="cuda", dtype=torch.bfloat16).mul_(f ** -0.5)
-    gate_up, down = cuda.as_cuda_array(gate_up_t.view(torch.int16)), cuda.as_cuda_array(down_t.view(torch.int16))
-    return gate_up, down, gate_up_t, down_t
+    bits = [t.view(torch.int16) for t in (gate_up_t, down_t)]
+    gate_up, down = (cuda.as_cuda_array(t) for t in bits)
+    laid = tuple(cuda.as_cuda_array(fragment_layout(t)) for t in bits)
+    return gate_up, down, gate_up_t, down_t, laid
 
 
 def _torch_peer(torch, x_host, ids, weights, gate_up_t, down_t) -> tuple[float, np.ndarray]:
@@ -88,7 +92,7 @@ def run(quick: bool = False) -> list[dict]:
     bandwidth = ceilings(quick)["copy_bytes_per_s"]
     rng = np.random.default_rng(0)
     progress(f"moe: weights e={experts} d={d} f={f} bf16")
-    gate_up, down, gate_up_t, down_t = _expert_weights(torch, experts, d, f, rng)
+    gate_up, down, gate_up_t, down_t, laid = _expert_weights(torch, experts, d, f, rng)
     expert_bytes = 3 * d * f * 2
     rows = []
     for tokens in token_counts:
@@ -117,17 +121,18 @@ def run(quick: bool = False) -> list[dict]:
                         peer="torch loop bf16" if torch is not None else None, peer_value=peer_value, ratio=ratio,
                         target=target, ok=ok, note=note))
         if torch is not None:
-            rows.append(_tensor_core_row(torch, x, ids_dev, weights_dev, gate_up, down, want, peer, weight_bytes,
+            rows.append(_tensor_core_row(torch, x, ids_dev, weights_dev, *laid, want, peer, weight_bytes,
                                          bandwidth, f"s={tokens} k={k} d={d} f={f}", distinct))
     if torch is not None:
-        del gate_up, down, gate_up_t, down_t
+        del gate_up, down, gate_up_t, down_t, laid
         torch.cuda.empty_cache()  # give the 34 GB back before the next suite
     return rows
 
 
 def _tensor_core_row(torch, x, ids, weights, gate_up, down, want, peer, weight_bytes, bandwidth, shape, distinct):
-    """The bf16 compute mode's experts (tensor cores, experts_tc.py) timed as the device model runs them: one
-    moe_experts call (plan, bf16 x, gate_up, down, combine) captured as a CUDA graph and replayed."""
+    """The bf16 compute mode's experts (tensor cores, experts_tc.py; gate_up and down in its fragment_layout)
+    timed as the device model runs them: one moe_experts call (plan, bf16 x, gate_up, down, combine) captured as a
+    CUDA graph and replayed."""
     tokens = x.shape[0]
     poison = np.full((tokens, x.shape[1]), np.nan, np.float32)
     y = cuda.to_device(poison)

@@ -138,8 +138,10 @@ class DeviceModel:
     def _upload_stacked(self, weight, names: list[list[str]]):
         """Device [e, rows, cols] (float32, or bf16 bits as uint16) from each expert's row blocks ``names[e]``
         ([rows_i, cols] each, stacked along rows), read (or drawn) and copied block by block: no copy of the whole
-        stack anywhere else (17 GB on k2-mini)."""
+        stack anywhere else (17 GB on k2-mini). For the tensor-core experts each block is stored in
+        moe_experts_tc.fragment_layout (its rows are whole 16-row tiles: gate, up and down blocks alike)."""
         bf16 = self.weight_dtype == "bfloat16"
+        laid = moe_experts_tc.fragment_layout if self.tensor_core_experts else (lambda block: block)
         first = [weight(name) for name in names[0]]
         rows, cols = sum(block.shape[0] for block in first), first[0].shape[1]
         if self._drawn:
@@ -152,10 +154,10 @@ class DeviceModel:
             start = 0
             for block in first if e == 0 else map(weight, expert):
                 if self._drawn:
-                    out[e, start:start + block.shape[0]] = block  # torch rounds to bf16 to nearest even
+                    out[e, start:start + block.shape[0]] = laid(block)  # torch rounds to bf16 to nearest even
                 else:
                     host = float32_to_bf16_bits(block) if bf16 else np.ascontiguousarray(block, dtype=np.float32)
-                    out[e, start:start + block.shape[0]].copy_to_device(host)
+                    out[e, start:start + block.shape[0]].copy_to_device(laid(host))
                 start += block.shape[0]
         return self.ops.device_view(out) if self._drawn else out
 

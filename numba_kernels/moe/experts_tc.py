@@ -4,27 +4,29 @@ The same plan, buffers and combine as experts.py (read it first); only the produ
     gate_up: act[row, i] = bf16(silu(gate_i . bf16(x_t)) * (up_i . bf16(x_t)))   (row: a sorted pair, t its token)
     down:    pair_out[pair, j] = down_j . act[row]
 Each product is an mma.sync m16n8k16 bf16 with fp32 accumulation (mma.py's mma_bf16) with the weights as the A
-operand (16 weight rows) and the tokens as B (8 tokens a tile), so one token costs an 8-token tile, not a 16-row
-one. x is rounded to bf16 once (nearest even) by ``_round_to_bf16``, into pair_out's storage, which down only
-writes after gate_up has read it; gate_up writes act as bf16 into the first half of act's storage.
+operand (16 weight rows, a "weight tile") and the tokens as B (8 tokens, a "token tile"), so one token costs an
+8-token tile, not a 16-row one. x is rounded to bf16 once (nearest even) by ``_round_to_bf16``, into pair_out's
+storage, which down only writes after gate_up has read it; gate_up writes act as bf16 into the first half of act's
+storage.
 
-A block of k_split warps owns 32 weight rows (gate_up: 16 gate rows and the 16 matching up rows; down: 32 output
-rows). Warp q sums its own contiguous share of K's 32-column chunks, and the block adds the k_split partial sums
-in warp order (through shared memory), so even a one-token launch has k_split x as many warps streaming weights.
-In a chunk, lane (g, tq) (lane = 4 g + tq) loads columns 8 tq .. 8 tq + 7 (one 16-byte load) of weight rows g and
-g + 8 of each m-tile and of token g of each 8-token tile; the chunk's two mma k-steps take them in a fixed
-permuted order (step j: logical k 2tq, 2tq + 1 are columns 8 tq + 4 j, + 1; k 2tq + 8, 2tq + 9 are 8 tq + 4 j + 2,
-+ 3; A and B alike), so no shared memory is needed for the operands. The next step's weights (chunks_per_step
-chunks) are loaded while this one's mma run, and every token tile's B fragments of a chunk are loaded before any
-tile's mma. Up to n_tiles token tiles share each weight load (a pass); tiles past the expert's pairs are skipped,
-and an expert with more pairs takes several passes.
+The K order. K runs in 32-column chunks of two mma k-steps each. Lane (g, tq) (lane = 4 g + tq) gives step j the
+columns 8 tq + 4 j .. 8 tq + 4 j + 3 (logical k 2tq, 2tq + 1 are the first two, k 2tq + 8, 2tq + 9 the last two):
+a token's 16-byte load of its columns 8 tq .. 8 tq + 7 is its B fragments of both steps as they are, without moving
+a register. The weights are stored in the matching order (``fragment_layout``, done once when they are loaded):
+per 16-row tile and chunk, 1 KB = step 0's then step 1's A fragments, lane by lane, 16 bytes each, so a lane's
+16-byte load is one step's whole A fragment, and a warp's load reads 512 contiguous bytes.
 
-Two kinds of kernels run those products. The streaming kernels (TcConfig, tc_kernels) are the above: weights
-straight into registers, the best when the weights are the traffic (few pairs an expert). The staged kernels
-(TokenTiledConfig, token_tiled_kernels) stage a block's weight rows and its pass's tokens in shared memory by
-cp.async, so a block's warps share each load, and one warp walks all of K for its tiles (many pairs an expert);
-they give the mma the tokens as A (16 tokens a tile) and the weights as B, which the staged rows' 16-byte loads
-feed without moving registers.
+Two kinds of kernels run those products. The streaming kernels (TcConfig, tc_kernels) load the weights straight
+into registers, the best when the weights are the traffic (few pairs an expert): a block of k_split warps owns two
+weight tiles (gate_up: 16 gate rows and the 16 matching up rows; down: 32 output rows); warp q sums its own
+contiguous share of K's chunks, and the block adds the k_split partial sums in warp order (through shared memory),
+so even a one-token launch has k_split x as many warps streaming weights. The next step's weights (chunks_per_step
+chunks) are loaded while this one's mma run, and every token tile's B fragments of a chunk before any tile's mma.
+Up to n_tiles token tiles share each weight load (a pass); tiles past the expert's pairs are skipped, and an expert
+with more pairs takes several passes. The staged kernels (StagedConfig, staged_kernels) copy a block's weight
+tiles and its pass's tokens into shared memory by cp.async, so a block's warps share each load, and one warp walks
+all of K for its tiles (many pairs an expert). Their lanes load the same fragments from shared memory as the
+streaming lanes do from global memory.
 tc_config_for picks by the mean number of pairs per active expert: FEW_PAIRS_CONFIG (streaming, one tile) up to
 FEW_PAIRS, MID_PAIRS_CONFIG (streaming, three tiles) up to MID_PAIRS, MORE_PAIRS_CONFIG (streaming, four tiles) up
 to MORE_PAIRS, else MANY_PAIRS_CONFIG (staged) (figures: BENCHMARKS.md; sweep: python3 -m tools.sweeps.moe
@@ -32,11 +34,11 @@ to MORE_PAIRS, else MANY_PAIRS_CONFIG (staged) (figures: BENCHMARKS.md; sweep: p
 
 Batch invariance: a pair's result depends only on its activation row, the weights and the fixed K order and
 split, not on which tile or lane it sits in nor on how many pairs the expert has (each output column of an mma
-is its own token's), nor on the launch shape: every shape feeds each mma the same products in the same k order
-(the staged kernels with A and B swapped, which the tensor cores sum alike) and sums K in the same K_SPLIT shares,
-added in share order (a streaming block's warps through shared memory; a staged warp into
-its running total), so s = 1 and s = 256 give a token the same bits whichever shape each runs.
-Requirements: bf16 weights (uint16 / int16 bits), d and f multiples of 32, every array 16-byte aligned.
+is its own token's), nor on the launch shape: every shape feeds each mma the same products in the same k-steps
+and sums K in the same K_SPLIT shares, added in share order (a streaming block's warps through shared memory; a
+staged warp into its running total), so s = 1 and s = 256 give a token the same bits whichever shape each runs.
+Requirements: bf16 weights (uint16 / int16 bits) in fragment_layout, d and f multiples of 32, every array 16-byte
+aligned.
 """
 from __future__ import annotations
 
@@ -56,10 +58,30 @@ from kdspec.numba_kernels.mma import (BF16_SCRATCH_PER_WARP, MAX_SHARED_BYTES, W
 from kdspec.numba_kernels.runtime import (INLINE_DEVICE, ON_SIMULATOR, SHARED_LIMIT, device_function, row_blocks,
                                           static_for)
 
-CHUNK = 32                                # K columns per step: 4 lanes x 8 columns
-BLOCK_ROWS = 32                           # weight rows per block: two m-tiles of 16
+CHUNK = 32                                # K columns a chunk: two mma k-steps, 4 lanes x 8 columns
+TILE_ROWS = 16                            # weight rows of a tile: the mma's M
+TILE_WORDS = TILE_ROWS * CHUNK * 2 // 8   # uint64 of one tile's chunk in fragment_layout (1 KB)
+STEP_WORDS = TILE_WORDS // 2              # uint64 of one k-step's A fragments (32 lanes x 16 bytes)
 CONVERT_THREADS = 32 if ON_SIMULATOR else 256
 STAGE_ALIGNMENT = None if ON_SIMULATOR else 16  # 16-byte fragment loads from shared (the simulator takes none)
+
+
+def fragment_layout(w):
+    """The weights in the order the kernels load them: w bf16 bits [..., rows, cols] (a numpy array, or a torch
+    tensor on the GPU; rows a multiple of 16, cols of 32) -> a new array of the same shape and type whose memory
+    holds, for each 16-row tile (rows 16 t ..) and 32-column chunk (columns 32 c ..) in turn, 1 KB: for k-step j =
+    0, 1, for lane = 4 g + tq = 0 .. 31, the 4 words of its A fragment, each word a pair of adjacent columns:
+        word 0: row g,     columns 32 c + 8 tq + 4 j, + 1      word 1: row g + 8, the same columns
+        word 2: row g,     columns 32 c + 8 tq + 4 j + 2, + 3  word 3: row g + 8, the same columns
+    (row 16 t + 8 h + g, column 32 c + 8 tq + 4 j + 2 q + b goes to [t, c, j, g, tq, q, h, b])."""
+    *lead, rows, cols = w.shape
+    if rows % TILE_ROWS or cols % CHUNK:
+        raise ValueError(f"fragment_layout: rows ({rows}) must be a multiple of {TILE_ROWS} and columns ({cols}) of "
+                         f"{CHUNK}")
+    split = w.reshape(*lead, rows // TILE_ROWS, 2, 8, cols // CHUNK, 4, 2, 2, 2)  # t, h, g, c, tq, j, q, b
+    axes = tuple(range(len(lead))) + tuple(len(lead) + axis for axis in (0, 3, 5, 2, 4, 6, 1, 7))
+    moved = split.permute(*axes) if hasattr(split, "permute") else split.transpose(axes)  # torch or numpy
+    return moved.reshape(w.shape)
 
 
 @dataclass(frozen=True)
@@ -84,37 +106,37 @@ class TcConfig:
 
     def rows_per_block(self, gate_up: bool) -> int:
         """Intermediate rows (gate_up: their gate and up rows) or output rows (down) a block computes."""
-        return 16 if gate_up else BLOCK_ROWS
+        return TILE_ROWS if gate_up else 2 * TILE_ROWS
 
     def kernels(self):
         return tc_kernels(self)
 
 
 @dataclass(frozen=True)
-class TokenTiledConfig:
-    """Launch shape of the staged kernels with the tokens as the mma's A operand (token_tiled_kernels): warps_t x
-    warps_w warps, each owning token_tiles 16-token tiles x weight_tiles 8-row weight tiles (gate_up: the first
-    half gate rows, the second the matching up rows). The block's weight rows and its pass's tokens reach (dynamic)
-    shared memory by cp.async, one 32-column chunk at a time and ``stages`` chunks deep (stages - 1 in flight), so
-    the warps of a token row share each weight load and the warps of a weight column each token load (many pairs
-    an expert: the products are the work)."""
+class StagedConfig:
+    """Launch shape of the staged kernels (staged_kernels): warps_t x warps_w warps, each owning token_tiles
+    8-token tiles x weight_tiles 16-row weight tiles (gate_up: the first half gate tiles, the second the matching
+    up tiles). The block's weight tiles and its pass's tokens reach (dynamic) shared memory by cp.async, one
+    32-column chunk at a time and ``stages`` chunks deep (stages - 1 in flight), so the warps of a token row share
+    each weight load and the warps of a weight column each token load (many pairs an expert: the products are
+    the work)."""
 
     warps_t: int
     warps_w: int
     token_tiles: int = 2
-    weight_tiles: int = 4
+    weight_tiles: int = 2
     stages: int = 4
     max_registers: int = 0
 
     def __post_init__(self):
         if not (1 <= self.warps_t <= 8 and 1 <= self.warps_w <= 8 and self.warps_t * self.warps_w <= 16
-                and 1 <= self.token_tiles <= 4 and self.weight_tiles in (2, 4, 6, 8) and 2 <= self.stages <= 32
+                and 1 <= self.token_tiles <= 8 and self.weight_tiles in (2, 4, 6, 8) and 2 <= self.stages <= 32
                 and self.max_registers >= 0):
-            raise ValueError(f"TokenTiledConfig: warps_t {self.warps_t} (1..8), warps_w {self.warps_w} (1..8, at most "
-                             f"16 warps), token_tiles {self.token_tiles} (1..4), weight_tiles {self.weight_tiles} "
+            raise ValueError(f"StagedConfig: warps_t {self.warps_t} (1..8), warps_w {self.warps_w} (1..8, at most "
+                             f"16 warps), token_tiles {self.token_tiles} (1..8), weight_tiles {self.weight_tiles} "
                              f"(2, 4, 6 or 8), stages {self.stages} (2..32), max_registers {self.max_registers}")
         if self.shared_bytes > MAX_SHARED_BYTES:
-            raise ValueError(f"TokenTiledConfig: {self.shared_bytes} bytes of shared memory (at most "
+            raise ValueError(f"StagedConfig: {self.shared_bytes} bytes of shared memory (at most "
                              f"{MAX_SHARED_BYTES})")
 
     @property
@@ -123,24 +145,24 @@ class TokenTiledConfig:
 
     @property
     def tokens_per_pass(self) -> int:
-        return 16 * self.token_tiles * self.warps_t
+        return 8 * self.token_tiles * self.warps_t
 
     @property
-    def staged_rows(self) -> int:
-        return 8 * self.weight_tiles * self.warps_w
+    def staged_tiles(self) -> int:
+        return self.weight_tiles * self.warps_w
 
     @property
     def shared_bytes(self) -> int:
-        return self.stages * (self.staged_rows + self.tokens_per_pass) * CHUNK * 2
+        return self.stages * (self.staged_tiles * TILE_ROWS + self.tokens_per_pass) * CHUNK * 2
 
     def rows_per_block(self, gate_up: bool) -> int:
-        return self.staged_rows // 2 if gate_up else self.staged_rows
+        return TILE_ROWS * self.staged_tiles // (2 if gate_up else 1)
 
     def kernels(self):
-        return token_tiled_kernels(self)
+        return staged_kernels(self)
 
 
-CONFIG_TYPES = (TcConfig, TokenTiledConfig)
+CONFIG_TYPES = (TcConfig, StagedConfig)
 
 # Launch shapes by the mean number of pairs an active expert gets (tc_config_for). Every kind sums K in the same
 # K_SPLIT shares (fixing the bits: see the module docstring), so a token gets the same bits whichever runs it: the
@@ -152,13 +174,13 @@ K_SPLIT = 2 if ON_SIMULATOR else 4
 FEW_PAIRS_CONFIG = TcConfig(K_SPLIT, 1, 2 if ON_SIMULATOR else 4)  # AR and small trees: one tile, 4 chunks a step
 MID_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 3, 1 if ON_SIMULATOR else 2)  # 24 tokens a pass
 MORE_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 4, 2)  # 32 tokens a pass
-MANY_PAIRS_CONFIG = TokenTiledConfig(1, 2, 1, 2, 2) if ON_SIMULATOR else TokenTiledConfig(5, 2, 1, 4, 4)  # 80 a pass
+MANY_PAIRS_CONFIG = StagedConfig(1, 2, 2, 2, 2) if ON_SIMULATOR else StagedConfig(5, 2, 2, 2, 4)  # 80 a pass
 FEW_PAIRS = 6    # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
 MID_PAIRS = 20   # ... MID_PAIRS_CONFIG (k2-mini at s = 64: 16)
 MORE_PAIRS = 40  # ... MORE_PAIRS_CONFIG (k2-mini at s = 128: 32), else MANY_PAIRS_CONFIG (s = 256: 64)
 
 
-def tc_config_for(n_pairs: int, n_experts: int) -> TcConfig | TokenTiledConfig:
+def tc_config_for(n_pairs: int, n_experts: int) -> TcConfig | StagedConfig:
     """The launch shape for n_pairs (token, expert) pairs over n_experts experts."""
     mean_pairs = n_pairs / max(1, min(n_experts, n_pairs))
     for most, config in ((FEW_PAIRS, FEW_PAIRS_CONFIG), (MID_PAIRS, MID_PAIRS_CONFIG),
@@ -198,45 +220,54 @@ def _split_words(first, second, out, at):
 
 @device_function(**INLINE_DEVICE)
 def load_words(a, i, row, word, valid, out, at):
-    """out[at .. at + 3] = the 8 bf16 of a[i, row, columns 8 word .. 8 word + 7] as 4 uint32 pairs (zeros when
-    not valid). a: bf16 viewed as uint64 [n, rows, cols / 4]."""
-    first, second = load_u64x2(a, i, row, word) if valid else (uint64(0), uint64(0))
-    _split_words(first, second, out, at)
+    """out[at .. at + 3] = the 8 bf16 of a[i, row, columns 8 word .. 8 word + 7] as 4 uint32 pairs when valid (else
+    out is left as it is). a: bf16 viewed as uint64 [n, rows, cols / 4]."""
+    if valid:
+        first, second = load_u64x2(a, i, row, word)
+        _split_words(first, second, out, at)
 
 
 @device_function(**INLINE_DEVICE)
-def load_staged(stage, index, out, at):
-    """out[at .. at + 3] = 8 staged bf16: stage[index], stage[index + 1] (uint64 1-D, index even)."""
-    first, second = load_u64x2_flat(stage, index)
-    _split_words(first, second, out, at)
+def load_fragment(w, index, valid, out, at):
+    """out[at .. at + 3] = the 16 bytes at w[index], w[index + 1] as 4 uint32 (w uint64 1-D, shared or global,
+    index even) when valid; else zeros under the simulator (whose mma every warp runs) and nothing on the GPU
+    (whose kernels skip that mma): one lane's A fragment of one k-step (fragment_layout), or a token's 8 columns
+    of the lane (both k-steps' B fragments)."""
+    if valid:
+        first, second = load_u64x2_flat(w, index)
+        _split_words(first, second, out, at)
+    elif ON_SIMULATOR:
+        _split_words(uint64(0), uint64(0), out, at)
 
 
 @device_function(**INLINE_DEVICE)
-def load_weight_chunk(w, expert, row_a, row_b, word, valid, out, at):
-    """out[at + 8 m + 4 h + i]: m-tile m's weight row (row_a or row_b, + 8 h), bf16 pairs i of the lane's
-    columns."""
-    load_words(w, expert, row_a, word, valid, out, at)
-    load_words(w, expert, row_a + 8, word, valid, out, at + 4)
-    load_words(w, expert, row_b, word, valid, out, at + 8)
-    load_words(w, expert, row_b + 8, word, valid, out, at + 12)
+def load_weight_chunk(w, at_a, at_b, chunk, valid, out, at):
+    """out[at + 8 m + 4 j ..]: weight tile m's (at_a's, then at_b's) A fragment of k-step j of chunk ``chunk``
+    (load_fragment's when not valid). w: fragment_layout bf16 as uint64 1-D; at_*: the tile's chunk 0 plus 2
+    lane."""
+    offset = int64(TILE_WORDS) * chunk
+    load_fragment(w, at_a + offset, valid, out, at)
+    load_fragment(w, at_a + offset + STEP_WORDS, valid, out, at + 4)
+    load_fragment(w, at_b + offset, valid, out, at + 8)
+    load_fragment(w, at_b + offset + STEP_WORDS, valid, out, at + 12)
 
 
 @device_function(**INLINE_DEVICE)
-def _mma_step(acc, o, weights, w, b0, b1, scratch):
-    """acc[o .. o + 3] += one k-step: A = weights[w], [w + 4], [w + 1], [w + 5] (rows g, g + 8), B = b0, b1."""
+def _mma_step(acc, o, a, at, b0, b1, scratch):
+    """acc[o .. o + 3] += one k-step: A = a[at .. at + 3] (one lane's fragment), B = b0, b1."""
     acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_bf16(
-        weights[w], weights[w + 4], weights[w + 1], weights[w + 5], b0, b1, acc[o], acc[o + 1], acc[o + 2],
-        acc[o + 3], scratch)
+        a[at], a[at + 1], a[at + 2], a[at + 3], b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3], scratch)
 
 
 @device_function(**INLINE_DEVICE)
 def tile_products(acc, n, n_tiles, weights, at, b, scratch):
-    """Token tile n's two k-steps of both m-tiles: A = the chunk's weights at weights[at ..] (load_weight_chunk's
-    layout), B = the tile's 4 bf16 pairs at b[4 n ..], into acc[4 n ..] (first m-tile) and acc[4 (n_tiles + n) ..]."""
+    """Token tile n's two k-steps of both weight tiles: A = the chunk's fragments at weights[at ..]
+    (load_weight_chunk's layout), B = the tile's 4 bf16 pairs at b[4 n ..], into acc[4 n ..] (first weight tile)
+    and acc[4 (n_tiles + n) ..]."""
     _mma_step(acc, 4 * n, weights, at, b[4 * n], b[4 * n + 1], scratch)
-    _mma_step(acc, 4 * n, weights, at + 2, b[4 * n + 2], b[4 * n + 3], scratch)
+    _mma_step(acc, 4 * n, weights, at + 4, b[4 * n + 2], b[4 * n + 3], scratch)
     _mma_step(acc, 4 * (n_tiles + n), weights, at + 8, b[4 * n], b[4 * n + 1], scratch)
-    _mma_step(acc, 4 * (n_tiles + n), weights, at + 10, b[4 * n + 2], b[4 * n + 3], scratch)
+    _mma_step(acc, 4 * (n_tiles + n), weights, at + 12, b[4 * n + 2], b[4 * n + 3], scratch)
 
 
 @device_function(**INLINE_DEVICE)
@@ -245,57 +276,64 @@ def _zero(o, acc):
 
 
 @functools.lru_cache(maxsize=None)
-def store_functions(n_tiles: int):
-    """(store_act_all, store_down_all) for a warp's 2 m-tiles x n_tiles token tiles of C fragments in acc:
-    store_act_all((acc, act_bits, base, end, first_row, f)): act = bf16(silu(gate) * up) of pair rows base + ..
-    and columns first_row + .. (the gate m-tile's rows); store_down_all((acc, pair_out, sorted_pairs, base, end,
-    first_row)): pair_out rows of the sorted pairs base + .., columns first_row + .. (both m-tiles)."""
-    acc_size = 2 * n_tiles * 4
+def store_functions(weight_tiles: int, token_tiles: int):
+    """(store_act_all, store_down_all) for a warp's weight_tiles x token_tiles C fragments, accumulator 4 (n
+    token_tiles + m) + c holding entry c of weight tile n x token tile m (c: weight row g + 8 (c >> 1), token 2 tq
+    + (c & 1)). store_act_all((acc, act_bits, base, end, first_column, f)): act = bf16(silu(gate) * up) of pair rows
+    base + .. and intermediate columns first_column + .. (the first weight_tiles / 2 tiles are gate rows, the rest
+    the matching up rows); store_down_all((acc, pair_out, sorted_pairs, base, end, first_column)): pair_out rows of
+    the sorted pairs base + .., columns first_column + .. ."""
+    up_offset = 4 * (weight_tiles // 2) * token_tiles
 
     def store_act(o, args):
-        """act for C-fragment entry o of the gate m-tile (o < 4 n_tiles)."""
-        acc, act_bits, base, end, first_row, f = args
+        """act for gate accumulator o (o < up_offset) and its up accumulator o + up_offset."""
+        acc, act_bits, base, end, first_column, f = args
         lane = cuda.threadIdx.x % WARP
         g, tq = lane >> 2, lane & 3
-        n, c = o // 4, o % 4
-        row = base + 8 * n + 2 * tq + (c & 1)
-        column = first_row + g + 8 * (c >> 1)
+        n, m, c = o // (4 * token_tiles), (o // 4) % token_tiles, o % 4
+        row = base + 8 * m + 2 * tq + (c & 1)
+        column = first_column + TILE_ROWS * n + g + 8 * (c >> 1)
         if row < end and column < f:
-            act_bits[row, column] = uint16(bf16_rne(silu(acc[o]) * acc[o + 4 * n_tiles]))
+            act_bits[row, column] = uint16(bf16_rne(silu(acc[o]) * acc[o + up_offset]))
 
     def store_down(o, args):
-        """pair_out[pair, j] for C-fragment entry o."""
-        acc, pair_out, sorted_pairs, base, end, first_row = args
+        """pair_out[pair, j] for accumulator o."""
+        acc, pair_out, sorted_pairs, base, end, first_column = args
         lane = cuda.threadIdx.x % WARP
         g, tq = lane >> 2, lane & 3
-        m, n, c = o // (4 * n_tiles), (o // 4) % n_tiles, o % 4
-        row = base + 8 * n + 2 * tq + (c & 1)
-        column = first_row + 16 * m + g + 8 * (c >> 1)
+        n, m, c = o // (4 * token_tiles), (o // 4) % token_tiles, o % 4
+        row = base + 8 * m + 2 * tq + (c & 1)
+        column = first_column + TILE_ROWS * n + g + 8 * (c >> 1)
         if row < end and column < pair_out.shape[1]:
             pair_out[sorted_pairs[row], column] = acc[o]
 
-    return (static_for(4 * n_tiles, device_function(**INLINE_DEVICE)(store_act)),
-            static_for(acc_size, device_function(**INLINE_DEVICE)(store_down)))
+    return (static_for(up_offset, device_function(**INLINE_DEVICE)(store_act)),
+            static_for(4 * weight_tiles * token_tiles, device_function(**INLINE_DEVICE)(store_down)))
 
 
 @functools.lru_cache(maxsize=None)
 def tc_kernels(config: TcConfig):
-    """(gate_up, down) kernels for one launch shape. Accumulators per lane: 2 m-tiles x n_tiles x 4."""
+    """(gate_up, down) kernels for one launch shape. Accumulators per lane: 2 weight tiles x n_tiles x 4."""
     k_split, n_tiles, per_step = config.k_split, config.n_tiles, config.chunks_per_step
     acc_size = 2 * n_tiles * 4
-    weight_words = 16 * per_step  # uint32 per lane per buffer: 2 m-tiles x rows g, g + 8 x 4 bf16 pairs a chunk
+    weight_words = 16 * per_step  # uint32 per lane per buffer: 2 weight tiles x 2 k-steps x a 4-word A fragment
     tile_words = 4 * n_tiles      # uint32 per lane: each token tile's 4 bf16 pairs of a chunk
     scratch_size = k_split * BF16_SCRATCH_PER_WARP if ON_SIMULATOR else 1
     partials_size = max(1, (k_split - 1) * acc_size * WARP)  # warps 1 .. k_split - 1's partial sums
     jit_options = dict(max_registers=config.max_registers) if config.max_registers and not ON_SIMULATOR else {}
 
     def load_tile(n, args):
-        """Token tile n's B fragment of one chunk into tiles[4 n ..] (zeros past the pass's tiles)."""
+        """Token tile n's B fragment of one chunk into tiles[4 n ..]: zeros past the pass's pairs under the
+        simulator; on the GPU those columns hold whatever they held, which reaches only outputs never stored
+        (each output of an mma is its own token's)."""
         tokens, source_rows, word, valid, n_used, tiles = args
-        load_words(tokens, 0, source_rows[n], word, valid and n < n_used and source_rows[n] >= 0, tiles, 4 * n)
+        in_pass = valid and n < n_used and source_rows[n] >= 0
+        if ON_SIMULATOR and not in_pass:
+            _split_words(uint64(0), uint64(0), tiles, 4 * n)
+        load_words(tokens, 0, source_rows[n], word, in_pass, tiles, 4 * n)
 
     def tile_mma(n, args):
-        """Token tile n's two k-steps of both m-tiles, the chunk's weights at weights[at ..]."""
+        """Token tile n's two k-steps of both weight tiles, the chunk's weights at weights[at ..]."""
         acc, weights, at, n_used, tiles, scratch = args
         if n < n_used:  # warp-uniform: the mma needs the whole warp
             tile_products(acc, n, n_tiles, weights, at, tiles, scratch)
@@ -315,43 +353,48 @@ def tc_kernels(config: TcConfig):
 
     def load_chunk(i, args):
         """Chunk chunk + i of a step into weights[16 i ..] (zeros past the warp's share of K)."""
-        w, expert, row_a, row_b, chunk, end, weights = args
-        tq = cuda.threadIdx.x & 3
-        load_weight_chunk(w, expert, row_a, row_b, 4 * (chunk + i) + tq, chunk + i < end, weights, 16 * i)
+        w, at_a, at_b, chunk, end, weights = args
+        this = int32(chunk + i)  # (numba widens int32 sums to int64: the loop is issue-bound)
+        load_weight_chunk(w, at_a, at_b, this, this < end, weights, 16 * i)
 
     def mma_chunk(i, args):
-        """The mma of chunk chunk + i of a step, in chunk order."""
+        """The mma of chunk chunk + i of a step, in chunk order; none past the warp's share of K (warp-uniform),
+        but under the simulator, whose mma syncs the block: there every warp runs it, on zeros."""
         acc, weights, tokens, source_rows, chunk, end, n_used, b, scratch = args
-        tq = cuda.threadIdx.x & 3
-        chunk_mma((acc, weights, 16 * i, tokens, source_rows, 4 * (chunk + i) + tq, chunk + i < end, n_used, b,
-                   scratch))
+        this = int32(chunk + i)
+        if ON_SIMULATOR or this < end:
+            chunk_mma((acc, weights, 16 * i, tokens, source_rows, int32(4 * this + (cuda.threadIdx.x & 3)), this < end,
+                       n_used, b, scratch))
 
     load_step = static_for(per_step, device_function(**INLINE_DEVICE)(load_chunk))
     mma_step = static_for(per_step, device_function(**INLINE_DEVICE)(mma_chunk))
 
     @device_function(**INLINE_DEVICE)
-    def products(acc, w, expert, row_a, row_b, n_chunks, tokens, source_rows, n_used, weights_a, weights_b, b,
-                 scratch):
-        """acc = this warp's share of K of both m-tiles x the pass's token tiles (module docstring's order), the
+    def products(acc, w, at_a, at_b, n_chunks, tokens, source_rows, n_used, weights_a, weights_b, b, scratch):
+        """acc = this warp's share of K of both weight tiles x the pass's token tiles (module docstring's order), the
         next step's weights loaded under this step's mma. Warp q's share is chunks q * share .. (q + 1) * share
         - 1 whatever chunks_per_step is, so configs with one k_split give the same bits. Every warp runs the
-        same number of steps (the simulator's mma syncs the block); chunks past the share add zeros."""
-        warp = cuda.threadIdx.x // WARP
-        share = (n_chunks + k_split - 1) // k_split
-        first = warp * share
-        end = min(first + share, n_chunks)
-        steps = (share + per_step - 1) // per_step
+        same number of steps; a step's chunks past the share (or past K) are skipped (under the simulator, whose
+        mma syncs the block, they add zeros: the same sums)."""
+        # 32-bit counters: numba's int64 ones cost two instructions each in an issue-bound loop
+        k_chunks = int32(n_chunks)
+        share = int32((k_chunks + k_split - 1) // k_split)
+        first = int32(cuda.threadIdx.x // WARP * share)
+        end = int32(min(first + share, k_chunks))
+        steps = int32((share + per_step - 1) // per_step)
         zero_all(acc)
-        load_step((w, expert, row_a, row_b, first, end, weights_a))
-        for step in range(0, steps, 2):
-            chunk = first + step * per_step
+        load_step((w, at_a, at_b, first, end, weights_a))
+        step = int32(0)
+        while step < steps:
+            chunk = int32(first + step * per_step)
             if step + 1 < steps:
-                load_step((w, expert, row_a, row_b, chunk + per_step, end, weights_b))
+                load_step((w, at_a, at_b, int32(chunk + per_step), end, weights_b))
             mma_step((acc, weights_a, tokens, source_rows, chunk, end, n_used, b, scratch))
             if step + 1 < steps:
                 if step + 2 < steps:
-                    load_step((w, expert, row_a, row_b, chunk + 2 * per_step, end, weights_a))
-                mma_step((acc, weights_b, tokens, source_rows, chunk + per_step, end, n_used, b, scratch))
+                    load_step((w, at_a, at_b, int32(chunk + 2 * per_step), end, weights_a))
+                mma_step((acc, weights_b, tokens, source_rows, int32(chunk + per_step), end, n_used, b, scratch))
+            step = int32(step + 2)
 
     def share(o, args):
         """Warps 1 .. k_split - 1: accumulator o of this lane into shared memory."""
@@ -392,21 +435,23 @@ def tc_kernels(config: TcConfig):
 
     pass_rows = static_for(n_tiles, device_function(**INLINE_DEVICE)(pass_row))
 
-    store_act_all, store_down_all = store_functions(n_tiles)
+    store_act_all, store_down_all = store_functions(2, n_tiles)
     tokens_per_pass = 8 * n_tiles
 
     def make_kernel(gate_up: bool):
         """gate_up (act = silu(gate) * up, 16 intermediate rows a block) or down (pair_out, 32 output rows a
         block): the same passes, the kernel's kind a compile-time constant."""
-        rows_per_block = 16 if gate_up else BLOCK_ROWS
+        rows_per_block = config.rows_per_block(gate_up)
 
         @kernel_cache.jit(**jit_options)
-        def kernel(tokens, w, n_chunks, f, k, expert_offsets, sorted_pairs, active_experts, n_active, out):
+        def kernel(tokens, w, w_tiles, n_chunks, f, k, expert_offsets, sorted_pairs, active_experts, n_active,
+                   out):
             """Every sorted row of every active expert. gate_up: tokens = bf16 x [s, d] viewed as uint64
-            [1, s, d/4]; w = bf16 w_gate_up [e, 2f, d] viewed as uint64 [e, 2f, d/4]; n_chunks = d / 32; out = act
-            bits uint16 [P, >= f]; grid (f / 16, row_blocks(max active)). down: tokens = bf16 act viewed as uint64
-            [1, P, >= f/4]; w = bf16 w_down [e, d, f] as uint64 [e, d, f/4]; n_chunks = f / 32; f, k unused; out =
-            pair_out float32 [P, d]; grid (d / 32, row_blocks(max active)). k_split * 32 threads."""
+            [1, s, d/4]; w = bf16 w_gate_up [e, 2f, d] in fragment_layout as uint64 1-D; w_tiles = 2f / 16 (tiles
+            an expert); n_chunks = d / 32; out = act bits uint16 [P, >= f]; grid (f / 16, row_blocks(max active)).
+            down: tokens = bf16 act viewed as uint64 [1, P, >= f/4]; w = bf16 w_down [e, d, f] in fragment_layout
+            as uint64 1-D; w_tiles = d / 16; n_chunks = f / 32; f, k unused; out = pair_out float32 [P, d]; grid
+            (d / 32, row_blocks(max active)). k_split * 32 threads."""
             scratch = cuda.shared.array(scratch_size, float32)
             partials = cuda.shared.array(partials_size, float32)
             acc = cuda.local.array(acc_size, float32)
@@ -415,17 +460,20 @@ def tc_kernels(config: TcConfig):
             b = cuda.local.array(tile_words, uint32)  # the pass's B fragments of one chunk
             source_rows = cuda.local.array(n_tiles, int32)
             first_row = cuda.blockIdx.x * rows_per_block
-            row_a = first_row + ((cuda.threadIdx.x % WARP) >> 2)  # rows are whole 16s: g and g + 8 exist
-            row_b = f + row_a if gate_up else row_a + 16         # gate_up: the matching up rows
+            tile_a = first_row // TILE_ROWS
+            tile_b = (f + first_row) // TILE_ROWS if gate_up else tile_a + 1  # gate_up: the matching up rows
+            lane_word = 2 * (cuda.threadIdx.x % WARP)
             for active in range(cuda.blockIdx.y, n_active[0], cuda.gridDim.y):  # block-uniform: the block syncs
                 expert = active_experts[active]
                 begin = expert_offsets[expert]
                 end = expert_offsets[expert + 1]
+                at_a = (int64(expert) * w_tiles + tile_a) * n_chunks * TILE_WORDS + lane_word
+                at_b = (int64(expert) * w_tiles + tile_b) * n_chunks * TILE_WORDS + lane_word
                 for base in range(begin, end, tokens_per_pass):
                     pass_rows((source_rows, base, end, sorted_pairs, k, gate_up))
                     n_used = min(n_tiles, (end - base + 7) // 8)
-                    products(acc, w, expert, row_a, row_b, n_chunks, tokens, source_rows, n_used, weights_a,
-                             weights_b, b, scratch)
+                    products(acc, w, at_a, at_b, n_chunks, tokens, source_rows, n_used, weights_a, weights_b, b,
+                             scratch)
                     add_partials(acc, partials)
                     if cuda.threadIdx.x < WARP:
                         if gate_up:
@@ -440,31 +488,27 @@ def tc_kernels(config: TcConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def token_tiled_kernels(config: TokenTiledConfig):
-    """(gate_up, down) staged kernels for one TokenTiledConfig: the same products, in the same K order, as
-    tc_kernels, with the operands' roles swapped. The mma computes D[token, weight row] = A (16 tokens) x B (8
-    weight rows): an output element sums the same products in the same k order as tc_kernels' (weights as A), and
-    the tensor cores give it the same bits either way (measured on the H200: BENCHMARKS.md, "Staged experts with
-    the tokens as A").
+def staged_kernels(config: StagedConfig):
+    """(gate_up, down) staged kernels for one StagedConfig: the same products, in the same K order, as tc_kernels.
 
-    A block stages, per 32-column chunk, its weight rows (rows 0 .. staged_rows - 1 of a shared slot; gate_up: its
-    staged_rows / 2 gate rows, then the matching up rows) and the pass's tokens (the rows after: token t of the
-    pass, zeros past the expert's pairs and past K). One warp walks all of K for its tiles: it sums each of the
-    K_SPLIT shares in fresh accumulators and adds share q's sum into the total after share q - 1's, the order in
-    which tc_kernels adds its warps' partial sums; shares padded past K run their zero chunks as the streaming
-    warps do. Lane (g, tq)'s 16-byte load of a staged
-    row holds its columns 8 tq .. 8 tq + 7, that is both k-steps' words in tc_kernels' permuted order: a weight
-    tile's B fragments (row g: words 2j, 2j + 1 for step j) are the loaded registers as they are; a token tile's
-    A fragments take rows g and g + 8 (words 2j and 2j + 1 of each). C fragments: entry c of (token tile m,
-    weight tile n) is token 16 m + g + 8 (c >> 1), weight row 8 n + 2 tq + (c & 1)."""
+    A block copies, per 32-column chunk, its weight tiles' 1 KB each (fragment_layout; gate_up: its staged_tiles /
+    2 gate tiles, then the matching up tiles) and then the pass's tokens (64 bytes each: token t of the pass, zeros
+    past the expert's pairs and past K) into one slot of shared memory. Lane (g, tq) loads each of its weight
+    tiles' A fragments (16 bytes a k-step, at 16 lane) and each of its token tiles' B fragments (token g's columns 8
+    tq .. 8 tq + 7: both k-steps), every load whole 16 bytes and every word where the mma takes it. One warp walks
+    all of K for its tiles: it sums each of the K_SPLIT shares in fresh accumulators and adds share q's sum into
+    the total after share q - 1's, the order in which tc_kernels adds its warps' partial sums; shares padded past
+    K run their zero chunks as the streaming warps do."""
     token_tiles, weight_tiles, stages = config.token_tiles, config.weight_tiles, config.stages
     warps_w, threads = config.warps_w, config.threads
-    staged_rows, tokens_per_pass = config.staged_rows, config.tokens_per_pass
+    staged_tiles, tokens_per_pass = config.staged_tiles, config.tokens_per_pass
     half_tiles = weight_tiles // 2
-    slot_words = 8 * (staged_rows + tokens_per_pass)  # uint64 of a slot: 64 bytes a row
-    acc_size = token_tiles * weight_tiles * 4
-    a_words, b_words = 8 * token_tiles, 4 * weight_tiles  # uint32 per lane: A fragments (rows g, g + 8), B
-    weight_copies = -(-4 * staged_rows // threads)  # 16-byte copies per thread per chunk: 4 a row
+    weight_words = TILE_WORDS * staged_tiles  # uint64 of a slot's weight tiles; its tokens follow, 8 each
+    slot_words = weight_words + 8 * tokens_per_pass
+    acc_size = 4 * weight_tiles * token_tiles
+    a_words, b_words = 8 * weight_tiles, 4 * token_tiles  # uint32 per lane: A fragments (2 k-steps a tile), B
+    tile_pieces = TILE_WORDS // 2  # 16-byte copies of a weight tile's chunk
+    weight_copies = -(-tile_pieces * staged_tiles // threads)  # 16-byte copies per thread per chunk
     token_copies = -(-4 * tokens_per_pass // threads)
     scratch_size = threads // WARP * BF16_SCRATCH_PER_WARP if ON_SIMULATOR else 1
     jit_options = dict(max_registers=config.max_registers) if config.max_registers and not ON_SIMULATOR else {}
@@ -472,53 +516,51 @@ def token_tiled_kernels(config: TokenTiledConfig):
     zero_all = static_for(acc_size, _zero)
 
     def copy_piece(i, args):
-        """Copy i of this thread's chunk pieces (a weight row's or a token row's 16 bytes): piece_at[i] is where in
-        a slot it lands (-1: none for this thread), piece_from[i] the flat uint64 index of its row's first chunk
-        and piece_bytes[i] 16 (or 0: zeros past the expert's pairs); the kernel sets piece_at once and the others
-        once an expert (weights) or a pass (tokens), so that a chunk's copies cost one address each."""
-        stage, at, source, piece_at, piece_from, piece_bytes, offset, in_k = args
+        """Copy i of this thread's chunk pieces (16 bytes of a weight tile or of a token): piece_at[i] is where in
+        a slot it lands, piece_from[i] the flat uint64 index of its chunk 0; piece_at[i] is -1 where this thread
+        has no piece or its piece is past f, d or the expert's pairs (set once an expert for the weights, once a
+        pass for the tokens), so that a chunk's copies cost one address each. Nothing is copied for those: what
+        the slot holds there (an earlier chunk's bytes) reaches only accumulators of weight rows or tokens that
+        are never stored, as each output of an mma is its own row's and token's."""
+        stage, at, source, piece_at, piece_from, offset = args
         if piece_at[i] >= 0:
-            copy16(stage, at + piece_at[i], source, piece_from[i] + offset, piece_bytes[i] if in_k else 0)
+            copy16(stage, at + piece_at[i], source, piece_from[i] + offset, int32(16))
 
     copy_weight_pieces = static_for(weight_copies, device_function(**INLINE_DEVICE)(copy_piece))
     copy_token_pieces = static_for(token_copies, device_function(**INLINE_DEVICE)(copy_piece))
 
     @device_function(**INLINE_DEVICE)
-    def copy_chunk(stage, slot, chunk, w, weight_at, weight_from, weight_bytes, tokens, token_at, token_from,
-                   token_bytes, n_chunks):
-        """Chunk ``chunk`` of the block's weight rows and the pass's tokens into slot ``slot`` (zeros past K)."""
-        in_k = chunk < n_chunks
-        offset = int64(8 * chunk) if in_k else int64(0)
+    def copy_chunk(stage, slot, chunk, w, weight_at, weight_from, tokens, token_at, token_from):
+        """Chunk ``chunk`` (< K's chunks) of the block's weight tiles and the pass's tokens into slot ``slot``. All
+        int32 but the sources' indices: the chunk loop is issue-bound (64-bit arithmetic costs two instructions)."""
         at = int32(slot * slot_words)
-        copy_weight_pieces((stage, at, w, weight_at, weight_from, weight_bytes, offset, in_k))
-        copy_token_pieces((stage, at, tokens, token_at, token_from, token_bytes, offset, in_k))
-
-    def load_token_tile(m, args):
-        """Token tile m's rows g and g + 8 into a[8 m ..] and a[8 m + 4 ..]."""
-        stage, at, first_token, a = args
-        g = (cuda.threadIdx.x % WARP) >> 2
-        load_staged(stage, at + (staged_rows + first_token + 16 * m + g) * 8, a, 8 * m)
-        load_staged(stage, at + (staged_rows + first_token + 16 * m + 8 + g) * 8, a, 8 * m + 4)
+        copy_weight_pieces((stage, at, w, weight_at, weight_from, int64(int32(TILE_WORDS) * chunk)))
+        copy_token_pieces((stage, at, tokens, token_at, token_from, int64(int32(8) * chunk)))
 
     def load_weight_tile(n, args):
-        """Weight tile n's row g into b[4 n ..]."""
-        stage, at, weight_rows, b = args
-        load_staged(stage, at + weight_rows[n] * 8, b, 4 * n)
+        """Weight tile n's A fragments of both k-steps into a[8 n ..] (step j at 8 n + 4 j)."""
+        stage, at, tile_at, a = args
+        load_fragment(stage, at + tile_at[n], True, a, 8 * n)
+        load_fragment(stage, at + tile_at[n] + STEP_WORDS, True, a, 8 * n + 4)
+
+    def load_token_tile(m, args):
+        """Token tile m's B fragments of both k-steps (token 8 m + g's 8 columns of the lane) into b[4 m ..]."""
+        stage, at, b = args
+        load_fragment(stage, at + 64 * m, True, b, 4 * m)
 
     def tile_mma(i, args):
-        """k-step j = i / (token_tiles weight_tiles) of token tile m x weight tile n (every tile's step 0 before any
+        """k-step j = i / (weight_tiles token_tiles) of weight tile n x token tile m (every tile's step 0 before any
         step 1: the two steps of one accumulator are the only dependent mma)."""
-        acc, a, b, m_used, scratch = args
-        j, m, n = i // (token_tiles * weight_tiles), (i // weight_tiles) % token_tiles, i % weight_tiles
-        if ON_SIMULATOR or m < m_used:  # warp-uniform; the simulator's mma syncs the block: every warp runs it
-            o = 4 * (m * weight_tiles + n)
-            acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_bf16(
-                a[8 * m + 2 * j], a[8 * m + 4 + 2 * j], a[8 * m + 2 * j + 1], a[8 * m + 5 + 2 * j], b[4 * n + 2 * j],
-                b[4 * n + 2 * j + 1], acc[o], acc[o + 1], acc[o + 2], acc[o + 3], scratch)
+        acc, a, b, scratch = args
+        j, n, m = i // (weight_tiles * token_tiles), (i // token_tiles) % weight_tiles, i % token_tiles
+        o = 4 * (n * token_tiles + m)
+        acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_bf16(
+            a[8 * n + 4 * j], a[8 * n + 4 * j + 1], a[8 * n + 4 * j + 2], a[8 * n + 4 * j + 3], b[4 * m + 2 * j],
+            b[4 * m + 2 * j + 1], acc[o], acc[o + 1], acc[o + 2], acc[o + 3], scratch)
 
-    load_token_tiles = static_for(token_tiles, device_function(**INLINE_DEVICE)(load_token_tile))
     load_weight_tiles = static_for(weight_tiles, device_function(**INLINE_DEVICE)(load_weight_tile))
-    chunk_mma = static_for(2 * token_tiles * weight_tiles, device_function(**INLINE_DEVICE)(tile_mma))
+    load_token_tiles = static_for(token_tiles, device_function(**INLINE_DEVICE)(load_token_tile))
+    chunk_mma = static_for(2 * weight_tiles * token_tiles, device_function(**INLINE_DEVICE)(tile_mma))
 
     def fold(o, args):
         """total = the first share's sum, then total + each later share's, in share order; acc zeroed."""
@@ -527,74 +569,46 @@ def token_tiled_kernels(config: TokenTiledConfig):
         acc[o] = float32(0.0)
 
     fold_all = static_for(acc_size, device_function(**INLINE_DEVICE)(fold))
-
-    def store_act(o, args):
-        """act = bf16(silu(gate) * up) for gate accumulator o (token tile m, gate tile n < half_tiles) and its up
-        tile n + half_tiles."""
-        acc, act_bits, base, end, warp_column, f = args
-        lane = cuda.threadIdx.x % WARP
-        g, tq = lane >> 2, lane & 3
-        m, n, c = o // (4 * half_tiles), (o // 4) % half_tiles, o % 4
-        gate = 4 * (m * weight_tiles + n) + c
-        row = base + 16 * m + g + 8 * (c >> 1)
-        column = warp_column + 8 * n + 2 * tq + (c & 1)
-        if row < end and column < f:
-            act_bits[row, column] = uint16(bf16_rne(silu(acc[gate]) * acc[gate + 4 * half_tiles]))
-
-    def store_down(o, args):
-        acc, pair_out, sorted_pairs, base, end, warp_row = args
-        lane = cuda.threadIdx.x % WARP
-        g, tq = lane >> 2, lane & 3
-        m, n, c = o // (4 * weight_tiles), (o // 4) % weight_tiles, o % 4
-        row = base + 16 * m + g + 8 * (c >> 1)
-        column = warp_row + 8 * n + 2 * tq + (c & 1)
-        if row < end and column < pair_out.shape[1]:
-            pair_out[sorted_pairs[row], column] = acc[o]
-
-    store_act_all = static_for(token_tiles * half_tiles * 4, device_function(**INLINE_DEVICE)(store_act))
-    store_down_all = static_for(acc_size, device_function(**INLINE_DEVICE)(store_down))
+    store_act_all, store_down_all = store_functions(weight_tiles, token_tiles)
 
     def make_kernel(gate_up: bool):
         rows_per_block = config.rows_per_block(gate_up)
+        tiles_per_block = rows_per_block // TILE_ROWS  # gate_up: gate tiles (each with its up tile)
 
         @kernel_cache.jit(**jit_options)
-        def kernel(tokens, w, n_chunks, f, k, expert_offsets, sorted_pairs, active_experts, n_active, out):
+        def kernel(tokens, w, w_tiles, n_chunks, f, k, expert_offsets, sorted_pairs, active_experts, n_active,
+                   out):
             """Arguments and output as tc_kernels' kernels; grid (ceil(f / rows_per_block(True)) (gate_up) or
             ceil(d / rows_per_block(False)) (down), row_blocks(max active)); config.threads threads."""
-            stage = cuda.shared.array(0, uint64, alignment=STAGE_ALIGNMENT)  # [stages, slot rows, 8], dynamic
+            stage = cuda.shared.array(0, uint64, alignment=STAGE_ALIGNMENT)  # [stages, slot_words], dynamic
             scratch = cuda.shared.array(scratch_size, float32)
             acc = cuda.local.array(acc_size, float32)
             total = cuda.local.array(acc_size, float32)
             a = cuda.local.array(a_words, uint32)
             b = cuda.local.array(b_words, uint32)
-            weight_rows = cuda.local.array(weight_tiles, int32)  # staged row of each weight tile's lane row g
-            weight_at = cuda.local.array(weight_copies, int32)  # copy_piece's three per copy (weights, tokens)
+            tile_at = cuda.local.array(weight_tiles, int32)  # where in a slot each weight tile's lane fragment is
+            weight_at = cuda.local.array(weight_copies, int32)  # copy_piece's two per copy (weights, tokens)
             weight_from = cuda.local.array(weight_copies, int64)
-            weight_bytes = cuda.local.array(weight_copies, int32)
             token_at = cuda.local.array(token_copies, int32)
             token_from = cuda.local.array(token_copies, int64)
-            token_bytes = cuda.local.array(token_copies, int32)
             warp = cuda.threadIdx.x // WARP
             ww, wt = warp % warps_w, warp // warps_w
-            g, tq = (cuda.threadIdx.x % WARP) >> 2, cuda.threadIdx.x & 3
+            lane = cuda.threadIdx.x % WARP
             first_row = cuda.blockIdx.x * rows_per_block
-            w_rows, row_words, token_words = w.shape[1], w.shape[2], tokens.shape[2]
+            first_tile = cuda.blockIdx.x * tiles_per_block
             for n in range(weight_tiles):
-                if gate_up:  # gate tiles, then the matching up tiles staged_rows / 2 rows on
-                    weight_rows[n] = (4 * weight_tiles * ww + 8 * (n % half_tiles) + g
-                                      + (staged_rows // 2 if n >= half_tiles else 0))
+                if gate_up:  # gate tiles, then the matching up tiles staged_tiles / 2 tiles on
+                    staged = half_tiles * ww + n % half_tiles + (staged_tiles // 2 if n >= half_tiles else 0)
                 else:
-                    weight_rows[n] = 8 * weight_tiles * ww + 8 * n + g
-            warp_row = first_row + (4 if gate_up else 8) * weight_tiles * ww  # its first output column / row
-            first_token = 16 * token_tiles * wt
-            share = int32((n_chunks + K_SPLIT - 1) // K_SPLIT)
+                    staged = weight_tiles * ww + n
+                tile_at[n] = int32(TILE_WORDS * staged + 2 * lane)
+            warp_column = first_row + TILE_ROWS * (half_tiles if gate_up else weight_tiles) * ww
+            first_token = 8 * token_tiles * wt
+            token_lane_at = int32(weight_words + 8 * (first_token + (lane >> 2)) + 2 * (lane & 3))
+            token_words = tokens.shape[2]
+            k_chunks = int32(n_chunks)
+            share = int32((k_chunks + K_SPLIT - 1) // K_SPLIT)
             chunks = int32(share * K_SPLIT)
-            for i in range(weight_copies):  # where this thread's pieces land in a slot: the same for every pass
-                piece = cuda.threadIdx.x + i * threads
-                weight_at[i] = int32(2 * piece) if piece < 4 * staged_rows else int32(-1)
-            for i in range(token_copies):
-                piece = cuda.threadIdx.x + i * threads
-                token_at[i] = int32(8 * staged_rows + 2 * piece) if piece < 4 * tokens_per_pass else int32(-1)
             active = cuda.blockIdx.y
             while active < n_active[0]:  # block-uniform: the block syncs
                 expert = active_experts[active]
@@ -602,31 +616,32 @@ def token_tiled_kernels(config: TokenTiledConfig):
                 end = expert_offsets[expert + 1]
                 for i in range(weight_copies):
                     piece = cuda.threadIdx.x + i * threads
-                    row = piece >> 2  # staged row
+                    staged = piece // tile_pieces  # the slot's weight tile
                     if gate_up:
-                        column = first_row + row % (staged_rows // 2)  # its intermediate row
-                        source = column + (f if row >= staged_rows // 2 else 0)
-                        valid = column < f
+                        tile = first_tile + staged % tiles_per_block  # its gate tile
+                        valid = tile < f // TILE_ROWS
+                        source = tile + (f // TILE_ROWS if staged >= tiles_per_block else 0)
                     else:
-                        source = first_row + row
-                        valid = source < w_rows
-                    weight_from[i] = (expert * w_rows + source) * row_words + 2 * (piece & 3) if valid else 0
-                    weight_bytes[i] = int32(16) if valid else int32(0)
+                        source = first_tile + staged
+                        valid = source < w_tiles
+                    weight_at[i] = int32(2 * piece) if valid and piece < tile_pieces * staged_tiles else int32(-1)
+                    weight_from[i] = ((int64(expert) * w_tiles + source) * n_chunks * TILE_WORDS
+                                      + 2 * (piece % tile_pieces))
                 for base in range(begin, end, tokens_per_pass):
                     for i in range(token_copies):
                         piece = cuda.threadIdx.x + i * threads
                         pair = base + (piece >> 2)
+                        token_at[i] = int32(-1)
                         token_from[i] = 0
-                        token_bytes[i] = int32(0)
-                        if pair < end:
+                        if pair < end and piece < 4 * tokens_per_pass:
+                            token_at[i] = int32(weight_words + 2 * piece)
                             token_from[i] = ((sorted_pairs[pair] // k if gate_up else pair) * token_words
                                              + 2 * (piece & 3))
-                            token_bytes[i] = int32(16)
-                    m_used = min(token_tiles, max(0, (end - base - first_token + 15) // 16))
+                    has_tokens = base + first_token < end
                     for chunk in range(stages - 1):  # prologue: stages - 1 chunks in flight
-                        if chunk < chunks:
-                            copy_chunk(stage, chunk, chunk, w, weight_at, weight_from, weight_bytes, tokens, token_at,
-                                       token_from, token_bytes, n_chunks)
+                        if chunk < k_chunks:
+                            copy_chunk(stage, chunk, int32(chunk), w, weight_at, weight_from, tokens, token_at,
+                                       token_from)
                         copy_commit()  # (an empty group keeps the count uniform)
                     zero_all(acc)
                     # 32-bit counters: the chunk loop is issue-bound, and 64-bit ones cost two instructions a step
@@ -635,15 +650,18 @@ def token_tiled_kernels(config: TokenTiledConfig):
                     while chunk < chunks:
                         wait_for_chunk()
                         cuda.syncthreads()  # every thread's copies landed; the slot refilled next is read
-                        if chunk + stages - 1 < chunks:
-                            copy_chunk(stage, fill_slot, chunk + stages - 1, w, weight_at, weight_from, weight_bytes,
-                                       tokens, token_at, token_from, token_bytes, n_chunks)
+                        if int32(chunk + stages - 1) < k_chunks:  # (numba widens int32 sums to int64)
+                            copy_chunk(stage, fill_slot, int32(chunk + stages - 1), w, weight_at, weight_from, tokens,
+                                       token_at, token_from)
                         copy_commit()
                         fill_slot = int32(0) if fill_slot == stages - 1 else int32(fill_slot + 1)
-                        at = int32(slot * slot_words + 2 * tq)
-                        load_token_tiles((stage, at, first_token, a))
-                        load_weight_tiles((stage, at, weight_rows, b))
-                        chunk_mma((acc, a, b, m_used, scratch))
+                        # a share padded past K skips its chunks there, as the streaming warps do; a warp past the
+                        # pass's pairs skips them all (warp-uniform; the simulator's mma syncs the block)
+                        if chunk < k_chunks and (ON_SIMULATOR or has_tokens):
+                            at = int32(slot * slot_words)
+                            load_weight_tiles((stage, at, tile_at, a))
+                            load_token_tiles((stage, at + token_lane_at, b))
+                            chunk_mma((acc, a, b, scratch))
                         slot = int32(0) if slot == stages - 1 else int32(slot + 1)
                         share_left = int32(share_left - 1)
                         if share_left == 0:
@@ -651,9 +669,9 @@ def token_tiled_kernels(config: TokenTiledConfig):
                             first_share, share_left = False, int32(share)
                         chunk = int32(chunk + 1)
                     if gate_up:
-                        store_act_all((total, out, base + first_token, end, warp_row, f))
+                        store_act_all((total, out, base + first_token, end, warp_column, f))
                     else:
-                        store_down_all((total, out, sorted_pairs, base + first_token, end, warp_row))
+                        store_down_all((total, out, sorted_pairs, base + first_token, end, warp_column))
                     cuda.syncthreads()  # the next pass's prologue refills the slots
                 active += cuda.gridDim.y
         return kernel
@@ -668,8 +686,9 @@ def supports(d: int, f: int) -> bool:
 
 def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, stream=0, config=None):
     """experts.grouped_swiglu on the tensor cores. Arguments already checked as there, plus: bf16 weight views
-    (weight_view) and d, f multiples of 32; x, act, pair_out and the weights 16-byte aligned; act and pair_out
-    C-contiguous (their storage also holds bf16 act and bf16 x). ``config``: a TcConfig (default: tc_config_for)."""
+    (weight_view) of weights in fragment_layout, C-contiguous; d and f multiples of 32; x, act, pair_out and the
+    weights 16-byte aligned; act and pair_out C-contiguous (their storage also holds bf16 act and bf16 x).
+    ``config``: a TcConfig or StagedConfig (default: tc_config_for)."""
     (gate_view, gate_bf16), (down_view, down_bf16) = w_gate_up, w_down
     s, d = x.shape
     n_pairs, f = act.shape
@@ -688,11 +707,19 @@ def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, 
     gate_up_tc, down_tc = config.kernels()
     act_bits = act.view(np.uint16)  # [P, 2f]: bf16 act in the first f columns
     _launch(config, gate_up_tc, -(-f // config.rows_per_block(True)), max_active, stream,
-            x_bits.view(np.uint64).reshape(1, s, d // 4), gate_view.view(np.uint64), d // CHUNK, f, k,
+            x_bits.view(np.uint64).reshape(1, s, d // 4), _flat_words(gate_view), 2 * f // TILE_ROWS, d // CHUNK, f, k,
             plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, act_bits)
     _launch(config, down_tc, -(-d // config.rows_per_block(False)), max_active, stream,
-            act.view(np.uint64).reshape(1, n_pairs, f // 2), down_view.view(np.uint64), f // CHUNK, 0, 1,
+            act.view(np.uint64).reshape(1, n_pairs, f // 2), _flat_words(down_view), d // TILE_ROWS, f // CHUNK, 0, 1,
             plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, pair_out)
+
+
+def _flat_words(view):
+    """A C-contiguous bf16 weight view [e, rows, cols] as uint64 1-D (the kernels index fragment_layout's tiles)."""
+    if not view.is_c_contiguous():
+        raise ValueError("tensor-core experts: the weights must be C-contiguous")
+    words = view.view(np.uint64)
+    return words.reshape(words.size)
 
 
 _OPTED_IN = set()  # (kernel id, argument types) whose compiled kernel may take its config's shared memory
@@ -701,7 +728,7 @@ _OPTED_IN = set()  # (kernel id, argument types) whose compiled kernel may take 
 def _launch(config, kernel, row_blocks_x: int, max_active: int, stream, *args) -> None:
     """kernel over (row_blocks_x, row_blocks(max_active)) blocks of config.threads, with a staged config's dynamic
     shared memory (above 48 KB the compiled kernel must opt in first: compiled here for these arguments)."""
-    shared = config.shared_bytes if isinstance(config, TokenTiledConfig) else 0
+    shared = config.shared_bytes if isinstance(config, StagedConfig) else 0
     if shared > SHARED_LIMIT and not ON_SIMULATOR:  # (else no signature to work out per launch)
         signature = tuple(kernel.typeof_pyval(arg) for arg in args)
         if (id(kernel), signature) not in _OPTED_IN:

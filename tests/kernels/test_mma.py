@@ -5,17 +5,15 @@ the inline PTX (cvt.rna.tf32.f32, mma.sync m16n8k8), so both are held to the PTX
 """
 import numpy as np
 import pytest
-from numba import cuda, float32, uint32
+from numba import cuda, float32
 
 from kdspec.numba_kernels.mma import (
-    BF16_SCRATCH_PER_WARP,
     DEFAULT_GEMM,
     SIM_SCRATCH_PER_WARP,
     GemmConfig,
     ScaledFusion,
     ScoresFusion,
     gemm_tf32x3,
-    mma_bf16,
     mma_tf32,
     tf32_round,
     tf32_split,
@@ -288,44 +286,3 @@ def test_gemm_scaled_fusion_on_gpu():
     got, want = scaled_gemm_vs_float64(300, 512, 1000, 32, seed=17)
     assert np.isfinite(got).all()
     assert np.abs(got - want).max() < 2e-6 * np.abs(want).max()
-
-
-@cuda.jit(device=True)
-def _bf16_pair(m, row, k):
-    return uint32(m[row, k]) | (uint32(m[row, k + 1]) << uint32(16))
-
-
-@cuda.jit
-def swapped_roles_kernel(w, x, c, weights_as_a, tokens_as_a):
-    """w [16, 16] and x [16, 16] bf16 bits (rows x k), c float32 [16, 16] (w row, x row); one warp:
-    weights_as_a [16, 8] = w . x[:8]^T + c[:, :8]; tokens_as_a [16, 8] = x . w[:8]^T + c[:8, :]^T."""
-    lane = cuda.threadIdx.x
-    g, tq = lane >> 2, lane & 3
-    scratch = cuda.shared.array(BF16_SCRATCH_PER_WARP, float32)
-    for a, b, out, swapped in ((w, x, weights_as_a, False), (x, w, tokens_as_a, True)):
-        c0, c1 = (c[2 * tq, g], c[2 * tq + 1, g]) if swapped else (c[g, 2 * tq], c[g, 2 * tq + 1])
-        c2, c3 = (c[2 * tq, g + 8], c[2 * tq + 1, g + 8]) if swapped else (c[g + 8, 2 * tq], c[g + 8, 2 * tq + 1])
-        d = mma_bf16(_bf16_pair(a, g, 2 * tq), _bf16_pair(a, g + 8, 2 * tq), _bf16_pair(a, g, 2 * tq + 8),
-                     _bf16_pair(a, g + 8, 2 * tq + 8), _bf16_pair(b, g, 2 * tq), _bf16_pair(b, g, 2 * tq + 8),
-                     c0, c1, c2, c3, scratch)
-        out[g, 2 * tq], out[g, 2 * tq + 1], out[g + 8, 2 * tq], out[g + 8, 2 * tq + 1] = d
-
-
-@pytest.mark.gpu
-def test_bf16_mma_gives_an_element_the_same_bits_with_a_and_b_swapped():
-    """The staged experts (moe/experts_tc.py, token_tiled_kernels) give the mma the tokens as A and the weights as
-    B, the streaming ones the other way round; a token's bits agree only if the tensor cores sum an element's
-    products alike whichever operand holds which. Exponents spread over k, so that the order of the additions
-    shows in the bits."""
-    rng = np.random.default_rng(0)
-    as_bf16 = lambda a: (a.astype(np.float32).view(np.uint32) + 0x8000 >> 16).astype(np.uint16)  # noqa: E731
-    differ = 0
-    for _ in range(100):
-        scale = 10.0 ** rng.integers(-3, 4, size=16)
-        w, x = as_bf16(rng.standard_normal((16, 16)) * scale), as_bf16(rng.standard_normal((16, 16)) * scale[::-1])
-        c = (rng.standard_normal((16, 16)) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
-        weights_as_a, tokens_as_a = cuda.device_array((16, 8), np.float32), cuda.device_array((16, 8), np.float32)
-        swapped_roles_kernel[1, 32](cuda.to_device(w), cuda.to_device(x), cuda.to_device(c), weights_as_a, tokens_as_a)
-        one, other = weights_as_a.copy_to_host()[:8], tokens_as_a.copy_to_host()[:8].T
-        differ += int((one.view(np.uint32) != other.view(np.uint32)).sum())
-    assert differ == 0, f"{differ} of 6400 elements differ"

@@ -13,7 +13,8 @@ from numba import cuda
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.numba_kernels.moe.experts import moe_experts
 from kdspec.numba_kernels.moe.experts_tc import (FEW_PAIRS_CONFIG, K_SPLIT, MANY_PAIRS_CONFIG, MID_PAIRS_CONFIG,
-                                                 MORE_PAIRS_CONFIG, TcConfig, TokenTiledConfig, supports, tc_config_for)
+                                                 MORE_PAIRS_CONFIG, StagedConfig, TcConfig, fragment_layout, supports,
+                                                 tc_config_for)
 
 from kernel_checks import assert_close, poisoned
 
@@ -35,6 +36,34 @@ def random_case(rng, s, d, f, e, k, one_expert_for_all=False):
     return x, ids, weights, gate_up, down
 
 
+def test_fragment_layout_puts_each_lane_fragment_where_its_load_reads_it():
+    """Element by element from the mma's A fragment (mma.py's docstring): lane (g, tq)'s 16 bytes for k-step j of
+    a tile's chunk are rows g, g + 8 of columns 8 tq + 4 j .. + 3, in the register order a0 .. a3."""
+    rng = np.random.default_rng(3)
+    e, rows, cols = 2, 48, 96
+    w = rng.integers(0, 2 ** 16, size=(e, rows, cols), dtype=np.uint16)
+    laid = fragment_layout(w)
+    assert laid.shape == w.shape and laid.dtype == w.dtype and laid.flags.c_contiguous
+    words = laid.reshape(e, rows // 16, cols // 32, 2, 32, 4, 2)  # expert, tile, chunk, k-step, lane, word, half
+    for expert, tile, chunk, j, lane in np.ndindex(e, rows // 16, cols // 32, 2, 32):
+        g, tq = lane // 4, lane % 4
+        column = 32 * chunk + 8 * tq + 4 * j
+        row = 16 * tile + g
+        want = [w[expert, row, column:column + 2], w[expert, row + 8, column:column + 2],
+                w[expert, row, column + 2:column + 4], w[expert, row + 8, column + 2:column + 4]]
+        assert np.array_equal(words[expert, tile, chunk, j, lane], np.stack(want))
+
+
+@pytest.mark.gpu
+def test_fragment_layout_of_a_torch_tensor_on_the_gpu_is_the_numpy_one():
+    """The device model lays drawn weights out with torch on the GPU, host weights with numpy."""
+    torch = pytest.importorskip("torch")
+    w = np.random.default_rng(4).integers(-2 ** 15, 2 ** 15, size=(3, 32, 64), dtype=np.int16)
+    laid = fragment_layout(torch.as_tensor(w, device="cuda"))
+    assert laid.is_contiguous() and laid.shape == w.shape
+    assert np.array_equal(laid.cpu().numpy(), fragment_layout(w))
+
+
 def reference(x, ids, weights, gate_up, down, tokens):
     """float64 y[tokens] with bf16-rounded activations (bf16 weights are exact as they are)."""
     f = down.shape[2]
@@ -49,14 +78,19 @@ def reference(x, ids, weights, gate_up, down, tokens):
     return y
 
 
+def on_device(gate_up, down):
+    """The weights as the tensor-core kernels take them: in fragment_layout, on the device."""
+    return cuda.to_device(fragment_layout(gate_up)), cuda.to_device(fragment_layout(down))
+
+
 def run(x, ids, weights, gate_up, down, config=None):
-    gate_up_d, down_d = cuda.to_device(gate_up), cuda.to_device(down)
+    gate_up_d, down_d = on_device(gate_up, down)
     return moe_experts(x, ids, weights, gate_up_d, down_d, out=poisoned(x.shape), tensor_cores=True,
                        config=config).copy_to_host()
 
 
 def assert_tokens_alone_equal(x, ids, weights, gate_up, down, together, tokens):
-    gate_up_d, down_d = cuda.to_device(gate_up), cuda.to_device(down)
+    gate_up_d, down_d = on_device(gate_up, down)
     for t in tokens:
         alone = moe_experts(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], gate_up_d, down_d,
                             out=poisoned((1, x.shape[1])), tensor_cores=True).copy_to_host()[0]
@@ -81,16 +115,19 @@ def test_tensor_core_experts_match_the_bf16_reference_and_are_batch_invariant(d)
 
 @pytest.mark.sim
 @pytest.mark.parametrize("config", [TcConfig(K_SPLIT, 2, 1), TcConfig(K_SPLIT, 3, 2), TcConfig(K_SPLIT, 1, 4),
-                                    TokenTiledConfig(1, 2, 1, 2, 3), TokenTiledConfig(2, 1, 2, 4, 2)], ids=str)
+                                    StagedConfig(1, 2, 2, 2, 3), StagedConfig(2, 1, 3, 2, 2),
+                                    StagedConfig(1, 1, 1, 6, 2)], ids=str)
 def test_every_launch_shape_gives_the_few_pairs_bits(config):
-    """Streaming with two tiles a pass, and staged (the tokens as the mma's A operand) with two warps along the
-    weights (d = 96: the last down block half past d) and three stages, or two along the tokens and two stages:
-    the same bits as FEW_PAIRS_CONFIG for every token. down's K (f = 160: 5 chunks, a padded
-    share) shows the order of the sums in pair_out's fp32; gate_up's would mostly hide in act's bf16 rounding."""
+    """Streaming with two tiles a pass, and staged with two warps along the weights (d = 96: the last down block
+    half past d) and three stages, two along the tokens and two stages (three tiles a warp: the first warp's last
+    tile partly past the expert's 21 pairs, the second warp's all past them), or one warp of three gate tiles (f =
+    160: the last gate_up block's last two tiles past f): the same bits as FEW_PAIRS_CONFIG for every token. down's
+    K (f = 160: 5 chunks, a padded share) shows the order of the sums in pair_out's fp32; gate_up's would mostly
+    hide in act's bf16 rounding."""
     rng = np.random.default_rng(5)
     s, d = 21, 96
     x, ids, weights, gate_up, down = random_case(rng, s, d, 160, 5, 2, one_expert_for_all=True)
-    gate_up_d, down_d = cuda.to_device(gate_up), cuda.to_device(down)
+    gate_up_d, down_d = on_device(gate_up, down)
     few, other = (moe_experts(x, ids, weights, gate_up_d, down_d, out=poisoned((s, d)), tensor_cores=True,
                               config=c).copy_to_host() for c in (FEW_PAIRS_CONFIG, config))
     assert not np.isnan(other).any()
@@ -100,13 +137,15 @@ def test_every_launch_shape_gives_the_few_pairs_bits(config):
 @pytest.mark.sim
 def test_launch_shapes_refuse_what_they_cannot_hold():
     with pytest.raises(ValueError, match="warps_t"):
-        TokenTiledConfig(0, 4, 2)
+        StagedConfig(0, 4, 2)
     with pytest.raises(ValueError, match="k_split"):
         TcConfig(9, 1)
     with pytest.raises(ValueError, match="weight_tiles"):
-        TokenTiledConfig(2, 2, 2, 3)  # gate_up splits a warp's weight tiles into gate and up halves
+        StagedConfig(2, 2, 2, 3)  # gate_up splits a warp's weight tiles into gate and up halves
     with pytest.raises(ValueError, match="shared memory"):
-        TokenTiledConfig(4, 4, 4, 8, 16)  # 16 stages of 256 weight rows and 256 tokens: 1 MB
+        StagedConfig(4, 4, 8, 8, 16)  # 16 stages of 512 weight rows and 256 tokens: 768 KB
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fragment_layout(np.zeros((2, 24, 64), np.uint16))
 
 
 @pytest.mark.sim
@@ -114,8 +153,8 @@ def test_tensor_core_experts_reject_what_they_cannot_run():
     rng = np.random.default_rng(0)
     x, ids, weights, gate_up, down = random_case(rng, 2, 48, 32, 3, 2)  # d = 48: not whole 32-column chunks
     assert not supports(48, 32) and supports(64, 32)
-    with pytest.raises(ValueError, match="multiples of 32"):
-        run(x, ids, weights, gate_up, down)
+    with pytest.raises(ValueError, match="multiples of 32"):  # (fragment_layout refuses such weights too)
+        moe_experts(x, ids, weights, cuda.to_device(gate_up), cuda.to_device(down), tensor_cores=True)
     with pytest.raises(ValueError, match="bf16 weights"):
         fp32 = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
         x, ids, weights, gate_up, down = random_case(rng, 2, 64, 32, 3, 2)

@@ -85,15 +85,15 @@ def _option(name: str, default):
     return args[args.index(name) + 1] if name in args[:-1] else default
 
 
-T, STAGED = experts_tc.TcConfig, experts_tc.TokenTiledConfig
+T, STAGED = experts_tc.TcConfig, experts_tc.StagedConfig
 TC_CONFIGS = [experts_tc.FEW_PAIRS_CONFIG, experts_tc.MID_PAIRS_CONFIG, experts_tc.MORE_PAIRS_CONFIG,
               experts_tc.MANY_PAIRS_CONFIG] + ([] if ON_SIMULATOR else [
     # streaming: (k_split, n_tiles, chunks_per_step, register cap)
     T(4, 1, 1), T(4, 2, 1), T(4, 4, 1), T(8, 1, 2), T(4, 1, 3), T(4, 1, 4), T(4, 2, 2), T(4, 2, 2, 96),
     T(4, 2, 3), T(4, 3, 2), T(4, 4, 2), T(4, 2, 4), T(4, 3, 3), T(4, 4, 3),
-    STAGED(2, 2, 2, 4, 4), STAGED(2, 4, 2, 4, 4), STAGED(2, 2, 2, 8, 4), STAGED(1, 4, 4, 4, 4), STAGED(2, 2, 2, 4, 8),
-    STAGED(2, 4, 2, 4, 6), STAGED(1, 8, 4, 4, 4), STAGED(2, 2, 1, 8, 6), STAGED(3, 2, 2, 4, 4), STAGED(4, 2, 2, 4, 4),
-    STAGED(2, 2, 3, 4, 4), STAGED(6, 1, 1, 8, 4)])
+    STAGED(2, 2, 4, 2, 4), STAGED(2, 4, 4, 2, 4), STAGED(2, 2, 4, 4, 4), STAGED(1, 4, 8, 2, 4), STAGED(2, 2, 4, 2, 8),
+    STAGED(2, 4, 4, 2, 6), STAGED(1, 8, 8, 2, 4), STAGED(2, 2, 2, 4, 6), STAGED(3, 2, 4, 2, 4), STAGED(4, 2, 4, 2, 4),
+    STAGED(2, 2, 6, 2, 4), STAGED(6, 1, 2, 4, 4), STAGED(5, 2, 4, 2, 4), STAGED(5, 2, 2, 4, 4)])
 # staged: (warps_t, warps_w, token_tiles, weight_tiles, stages, register cap)
 TENSOR_CORES = "--tensor-cores" in sys.argv[1:]
 GRAPHS = "--graphs" in sys.argv[1:] and not ON_SIMULATOR  # time each call as a CUDA graph replay
@@ -118,7 +118,8 @@ def config_name(index: int) -> str:
 
 def make_weights():
     """(w_gate_up [E, 2F, D], w_down [E, D, F]) as device int16 bf16 bits, plus the same weights for the
-    reference: torch bf16 tensors on the GPU, numpy int16 bits under the simulator."""
+    reference: torch bf16 tensors on the GPU, numpy int16 bits under the simulator (fragment_weights lays them out
+    for the tensor-core kernels)."""
     if ON_SIMULATOR:
         rng = np.random.default_rng(0)
 
@@ -134,6 +135,14 @@ def make_weights():
     torch.cuda.synchronize()
     return (cuda.as_cuda_array(gate_up.view(torch.int16)), cuda.as_cuda_array(down.view(torch.int16)), gate_up,
             down)
+
+
+def fragment_weights(gate_up, down):
+    """make_weights' reference copies as device arrays in the tensor-core kernels' experts_tc.fragment_layout."""
+    if ON_SIMULATOR:
+        return tuple(cuda.to_device(experts_tc.fragment_layout(w)) for w in (gate_up, down))
+    import torch
+    return tuple(cuda.as_cuda_array(experts_tc.fragment_layout(w.view(torch.int16))) for w in (gate_up, down))
 
 
 def reference(x, ids, weights, tokens, gate_up, down):
@@ -209,6 +218,7 @@ def main() -> int:
             f"= {100 * part.numel() * 2 / read / copy_bw:.1f}% of copy bandwidth")
     gate_view = moe.weight_view(w_gate_up, "w_gate_up")
     down_view = moe.weight_view(w_down, "w_down")
+    tc_gate_up, tc_down = fragment_weights(gate_up, down) if TENSOR_CORES else (None, None)
     rng = np.random.default_rng(0)
     table = []  # (s, name, seconds, bytes/s, ok)
     failures = 0
@@ -227,8 +237,10 @@ def main() -> int:
         for name, config in runs:
             tensor_cores = isinstance(config, experts_tc.CONFIG_TYPES)
 
-            def call(out, config=config, tensor_cores=tensor_cores):
-                return moe.moe_experts(x, ids, weights, w_gate_up, w_down, out=out, config=config,
+            gate_up_w, down_w = (tc_gate_up, tc_down) if tensor_cores else (w_gate_up, w_down)
+
+            def call(out, config=config, tensor_cores=tensor_cores, gate_up_w=gate_up_w, down_w=down_w):
+                return moe.moe_experts(x, ids, weights, gate_up_w, down_w, out=out, config=config,
                                        tensor_cores=tensor_cores)
             out = cuda.to_device(np.full((s, D), np.nan, np.float32))
             try:
@@ -243,7 +255,7 @@ def main() -> int:
             if GRAPHS:
                 import torch
                 seconds = time_graph(torch, lambda stream: moe.moe_experts(
-                    x, ids, weights, w_gate_up, w_down, out=out, config=config, tensor_cores=tensor_cores,
+                    x, ids, weights, gate_up_w, down_w, out=out, config=config, tensor_cores=tensor_cores,
                     stream=stream))
             else:
                 seconds = time_gpu(lambda: call(out), WARMUP, REPEATS)
@@ -251,7 +263,8 @@ def main() -> int:
             table.append((s, name, seconds, achieved, ok))
             log(f"  {name}: {seconds * 1e3:.3f} ms {achieved / 1e9:.0f} GB/s {100 * achieved / copy_bw:.1f}%")
             if tensor_cores:
-                parts = breakdown(x, ids, gate_view, down_view, seconds, config)
+                parts = breakdown(x, ids, moe.weight_view(tc_gate_up, "w_gate_up"), moe.weight_view(tc_down, "w_down"),
+                                  seconds, config)
                 log(f"  breakdown {name}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in parts.items())
                     + f"; kernels {distinct * EXPERT_BYTES / parts['experts'] / 1e9:.0f} GB/s "
                     f"{100 * distinct * EXPERT_BYTES / parts['experts'] / copy_bw:.1f}%")
