@@ -8,7 +8,7 @@ HMMA is the figure to lower before spending device time on timing it.
 
     python3 tools/experts_sass.py [--config 5,2,1,4,4] [--down] [--out DIR] [--tools DIR]
 
---config: four numbers are a TcConfig (streaming), five or six a StagedConfig (staged); default
+--config: four numbers are a TcConfig (streaming), five to seven a StagedConfig (staged); default
 MANY_PAIRS_CONFIG. Needs ptxas (the CUDA toolkit) on PATH, and nvdisasm and libnvrtc, which pip can fetch without
 installing anything:
 
@@ -60,10 +60,10 @@ def compile_ptx(config_text: str | None, down: bool) -> tuple[str, str]:
         config = tc.MANY_PAIRS_CONFIG
     elif len(numbers) == 4:
         config = tc.TcConfig(*numbers)
-    elif len(numbers) in (5, 6):
+    elif len(numbers) in (5, 6, 7):
         config = tc.StagedConfig(*numbers)
     else:
-        raise ValueError(f"--config takes 4 numbers (TcConfig) or 5-6 (StagedConfig), got {config_text}")
+        raise ValueError(f"--config takes 4 numbers (TcConfig) or 5-7 (StagedConfig), got {config_text}")
     kernel = config.kernels()[1 if down else 0]
     tokens = types.Array(types.uint64, 3, "C")
     weights = types.Array(types.uint64, 1, "C")  # fragment_layout as uint64 1-D
@@ -97,7 +97,7 @@ def mix(lines: list[str]) -> collections.Counter:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None,
-                        help="TcConfig (4 numbers) or StagedConfig (5-6), comma-separated")
+                        help="TcConfig (4 numbers) or StagedConfig (5-7), comma-separated")
     parser.add_argument("--down", action="store_true", help="the down kernel (default: gate_up)")
     parser.add_argument("--out", type=Path, default=None, help="write the PTX and SASS here")
     parser.add_argument("--tools", type=Path, default=None, help="extracted nvdisasm / nvrtc wheels (see above)")

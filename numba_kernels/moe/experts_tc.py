@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32, uint64
@@ -116,25 +116,27 @@ class TcConfig:
 class StagedConfig:
     """Launch shape of the staged kernels (staged_kernels): warps_t x warps_w warps, each owning token_tiles
     8-token tiles x weight_tiles 16-row weight tiles (gate_up: the first half gate tiles, the second the matching
-    up tiles). The block's weight tiles and its pass's tokens reach (dynamic) shared memory by cp.async, one
-    32-column chunk at a time and ``stages`` chunks deep (stages - 1 in flight), so the warps of a token row share
-    each weight load and the warps of a weight column each token load (many pairs an expert: the products are
-    the work)."""
+    up tiles). The block's weight tiles and its pass's tokens reach (dynamic) shared memory by cp.async,
+    chunks_per_stage 32-column chunks at a time (one barrier a stage) and ``stages`` stages deep (stages - 1 in
+    flight), so the warps of a token row share each weight load and the warps of a weight column each token load
+    (many pairs an expert: the products are the work)."""
 
     warps_t: int
     warps_w: int
     token_tiles: int = 2
     weight_tiles: int = 2
     stages: int = 4
+    chunks_per_stage: int = 1
     max_registers: int = 0
 
     def __post_init__(self):
         if not (1 <= self.warps_t <= 8 and 1 <= self.warps_w <= 8 and self.warps_t * self.warps_w <= 16
                 and 1 <= self.token_tiles <= 8 and self.weight_tiles in (2, 4, 6, 8) and 2 <= self.stages <= 32
-                and self.max_registers >= 0):
+                and 1 <= self.chunks_per_stage <= 8 and self.max_registers >= 0):
             raise ValueError(f"StagedConfig: warps_t {self.warps_t} (1..8), warps_w {self.warps_w} (1..8, at most "
                              f"16 warps), token_tiles {self.token_tiles} (1..8), weight_tiles {self.weight_tiles} "
-                             f"(2, 4, 6 or 8), stages {self.stages} (2..32), max_registers {self.max_registers}")
+                             f"(2, 4, 6 or 8), stages {self.stages} (2..32), chunks_per_stage "
+                             f"{self.chunks_per_stage} (1..8), max_registers {self.max_registers}")
         if self.shared_bytes > MAX_SHARED_BYTES:
             raise ValueError(f"StagedConfig: {self.shared_bytes} bytes of shared memory (at most "
                              f"{MAX_SHARED_BYTES})")
@@ -153,7 +155,13 @@ class StagedConfig:
 
     @property
     def shared_bytes(self) -> int:
-        return self.stages * (self.staged_tiles * TILE_ROWS + self.tokens_per_pass) * CHUNK * 2
+        return self.stages * self.chunks_per_stage * (self.staged_tiles * TILE_ROWS + self.tokens_per_pass) * CHUNK * 2
+
+    def stage_fits(self, n_chunks: int) -> bool:
+        """Whether a K of n_chunks chunks and its K_SPLIT shares are whole stages (else the launcher runs this
+        config with one chunk a stage: the same bits)."""
+        share = -(-n_chunks // K_SPLIT)
+        return n_chunks % self.chunks_per_stage == 0 and share % self.chunks_per_stage == 0
 
     def rows_per_block(self, gate_up: bool) -> int:
         return TILE_ROWS * self.staged_tiles // (2 if gate_up else 1)
@@ -491,62 +499,65 @@ def tc_kernels(config: TcConfig):
 def staged_kernels(config: StagedConfig):
     """(gate_up, down) staged kernels for one StagedConfig: the same products, in the same K order, as tc_kernels.
 
-    A block copies, per 32-column chunk, its weight tiles' 1 KB each (fragment_layout; gate_up: its staged_tiles /
-    2 gate tiles, then the matching up tiles) and then the pass's tokens (64 bytes each: token t of the pass, zeros
-    past the expert's pairs and past K) into one slot of shared memory. Lane (g, tq) loads each of its weight
-    tiles' A fragments (16 bytes a k-step, at 16 lane) and each of its token tiles' B fragments (token g's columns 8
-    tq .. 8 tq + 7: both k-steps), every load whole 16 bytes and every word where the mma takes it. One warp walks
-    all of K for its tiles: it sums each of the K_SPLIT shares in fresh accumulators and adds share q's sum into
-    the total after share q - 1's, the order in which tc_kernels adds its warps' partial sums; shares padded past
-    K run their zero chunks as the streaming warps do."""
+    A block copies, per stage of chunks_per_stage 32-column chunks, its weight tiles' 1 KB a chunk each
+    (fragment_layout, where a tile's chunks follow one another; gate_up: its staged_tiles / 2 gate tiles, then the
+    matching up tiles) and then the pass's tokens (64 bytes a chunk each) into one slot of shared memory. Lane (g,
+    tq) loads each of its weight tiles' A fragments (16 bytes a k-step, at 16 lane) and each of its token tiles' B
+    fragments (token g's columns 8 tq .. 8 tq + 7: both k-steps), every load whole 16 bytes and every word where
+    the mma takes it. One warp walks all of K for its tiles: it sums each of the K_SPLIT shares in fresh
+    accumulators and adds share q's sum into the total after share q - 1's, the order in which tc_kernels adds
+    its warps' partial sums; a share padded past K skips its chunks there, as the streaming warps do. The launcher
+    runs a config whose chunks_per_stage does not divide K's chunks and the share as one chunk a stage (stage_fits),
+    so that a stage is all in one share and all inside K or all past it."""
     token_tiles, weight_tiles, stages = config.token_tiles, config.weight_tiles, config.stages
-    warps_w, threads = config.warps_w, config.threads
+    warps_w, threads, per_stage = config.warps_w, config.threads, config.chunks_per_stage
     staged_tiles, tokens_per_pass = config.staged_tiles, config.tokens_per_pass
     half_tiles = weight_tiles // 2
-    weight_words = TILE_WORDS * staged_tiles  # uint64 of a slot's weight tiles; its tokens follow, 8 each
-    slot_words = weight_words + 8 * tokens_per_pass
+    tile_words = TILE_WORDS * per_stage  # uint64 of one weight tile's stage; a token's is 8 per_stage
+    weight_words = tile_words * staged_tiles  # uint64 of a slot's weight tiles; its tokens follow
+    slot_words = weight_words + 8 * per_stage * tokens_per_pass
     acc_size = 4 * weight_tiles * token_tiles
     a_words, b_words = 8 * weight_tiles, 4 * token_tiles  # uint32 per lane: A fragments (2 k-steps a tile), B
-    tile_pieces = TILE_WORDS // 2  # 16-byte copies of a weight tile's chunk
-    weight_copies = -(-tile_pieces * staged_tiles // threads)  # 16-byte copies per thread per chunk
-    token_copies = -(-4 * tokens_per_pass // threads)
+    tile_pieces, token_pieces = tile_words // 2, 4 * per_stage  # 16-byte copies of a tile's / a token's stage
+    weight_copies = -(-tile_pieces * staged_tiles // threads)  # 16-byte copies per thread per stage
+    token_copies = -(-token_pieces * tokens_per_pass // threads)
     scratch_size = threads // WARP * BF16_SCRATCH_PER_WARP if ON_SIMULATOR else 1
     jit_options = dict(max_registers=config.max_registers) if config.max_registers and not ON_SIMULATOR else {}
-    wait_for_chunk = copy_wait(stages - 2)
+    wait_for_stage = copy_wait(stages - 2)
     zero_all = static_for(acc_size, _zero)
 
     def copy_piece(i, args):
-        """Copy i of this thread's chunk pieces (16 bytes of a weight tile or of a token): piece_at[i] is where in
-        a slot it lands, piece_from[i] the flat uint64 index of its chunk 0; piece_at[i] is -1 where this thread
+        """Copy i of this thread's stage pieces (16 bytes of a weight tile or of a token): piece_at[i] is where in
+        a slot it lands, piece_from[i] the flat uint64 index of its stage 0; piece_at[i] is -1 where this thread
         has no piece or its piece is past f, d or the expert's pairs (set once an expert for the weights, once a
-        pass for the tokens), so that a chunk's copies cost one address each. Nothing is copied for those: what
-        the slot holds there (an earlier chunk's bytes) reaches only accumulators of weight rows or tokens that
+        pass for the tokens), so that a stage's copies cost one address each. Nothing is copied for those: what
+        the slot holds there (an earlier stage's bytes) reaches only accumulators of weight rows or tokens that
         are never stored, as each output of an mma is its own row's and token's."""
-        stage, at, source, piece_at, piece_from, offset = args
+        slots, at, source, piece_at, piece_from, offset = args
         if piece_at[i] >= 0:
-            copy16(stage, at + piece_at[i], source, piece_from[i] + offset, int32(16))
+            copy16(slots, at + piece_at[i], source, piece_from[i] + offset, int32(16))
 
     copy_weight_pieces = static_for(weight_copies, device_function(**INLINE_DEVICE)(copy_piece))
     copy_token_pieces = static_for(token_copies, device_function(**INLINE_DEVICE)(copy_piece))
 
     @device_function(**INLINE_DEVICE)
-    def copy_chunk(stage, slot, chunk, w, weight_at, weight_from, tokens, token_at, token_from):
-        """Chunk ``chunk`` (< K's chunks) of the block's weight tiles and the pass's tokens into slot ``slot``. All
-        int32 but the sources' indices: the chunk loop is issue-bound (64-bit arithmetic costs two instructions)."""
+    def copy_stage(slots, slot, stage, w, weight_at, weight_from, tokens, token_at, token_from):
+        """Stage ``stage`` (inside K) of the block's weight tiles and the pass's tokens into slot ``slot``. All
+        int32 but the sources' indices: the loop is issue-bound (64-bit arithmetic costs two instructions)."""
         at = int32(slot * slot_words)
-        copy_weight_pieces((stage, at, w, weight_at, weight_from, int64(int32(TILE_WORDS) * chunk)))
-        copy_token_pieces((stage, at, tokens, token_at, token_from, int64(int32(8) * chunk)))
+        copy_weight_pieces((slots, at, w, weight_at, weight_from, int64(int32(tile_words) * stage)))
+        copy_token_pieces((slots, at, tokens, token_at, token_from, int64(int32(8 * per_stage) * stage)))
 
     def load_weight_tile(n, args):
-        """Weight tile n's A fragments of both k-steps into a[8 n ..] (step j at 8 n + 4 j)."""
-        stage, at, tile_at, a = args
-        load_fragment(stage, at + tile_at[n], True, a, 8 * n)
-        load_fragment(stage, at + tile_at[n] + STEP_WORDS, True, a, 8 * n + 4)
+        """Weight tile n's A fragments of both k-steps of the chunk at ``at`` into a[8 n ..] (step j at 8 n + 4 j)."""
+        slots, at, tile_at, a = args
+        load_fragment(slots, at + tile_at[n], True, a, 8 * n)
+        load_fragment(slots, at + tile_at[n] + STEP_WORDS, True, a, 8 * n + 4)
 
     def load_token_tile(m, args):
         """Token tile m's B fragments of both k-steps (token 8 m + g's 8 columns of the lane) into b[4 m ..]."""
-        stage, at, b = args
-        load_fragment(stage, at + 64 * m, True, b, 4 * m)
+        slots, at, b = args
+        load_fragment(slots, at + 64 * per_stage * m, True, b, 4 * m)
 
     def tile_mma(i, args):
         """k-step j = i / (weight_tiles token_tiles) of weight tile n x token tile m (every tile's step 0 before any
@@ -561,6 +572,15 @@ def staged_kernels(config: StagedConfig):
     load_weight_tiles = static_for(weight_tiles, device_function(**INLINE_DEVICE)(load_weight_tile))
     load_token_tiles = static_for(token_tiles, device_function(**INLINE_DEVICE)(load_token_tile))
     chunk_mma = static_for(2 * weight_tiles * token_tiles, device_function(**INLINE_DEVICE)(tile_mma))
+
+    def chunk_products(u, args):
+        """Chunk u of the stage in slot words ``at``: its fragments, then its mma."""
+        slots, at, tile_at, token_lane_at, acc, a, b, scratch = args
+        load_weight_tiles((slots, at + TILE_WORDS * u, tile_at, a))
+        load_token_tiles((slots, at + token_lane_at + 8 * u, b))
+        chunk_mma((acc, a, b, scratch))
+
+    stage_products = static_for(per_stage, device_function(**INLINE_DEVICE)(chunk_products))
 
     def fold(o, args):
         """total = the first share's sum, then total + each later share's, in share order; acc zeroed."""
@@ -578,9 +598,10 @@ def staged_kernels(config: StagedConfig):
         @kernel_cache.jit(**jit_options)
         def kernel(tokens, w, w_tiles, n_chunks, f, k, expert_offsets, sorted_pairs, active_experts, n_active,
                    out):
-            """Arguments and output as tc_kernels' kernels; grid (ceil(f / rows_per_block(True)) (gate_up) or
-            ceil(d / rows_per_block(False)) (down), row_blocks(max active)); config.threads threads."""
-            stage = cuda.shared.array(0, uint64, alignment=STAGE_ALIGNMENT)  # [stages, slot_words], dynamic
+            """Arguments and output as tc_kernels' kernels (n_chunks and the share whole stages: stage_fits);
+            grid (ceil(f / rows_per_block(True)) (gate_up) or ceil(d / rows_per_block(False)) (down),
+            row_blocks(max active)); config.threads threads."""
+            slots = cuda.shared.array(0, uint64, alignment=STAGE_ALIGNMENT)  # [stages, slot_words], dynamic
             scratch = cuda.shared.array(scratch_size, float32)
             acc = cuda.local.array(acc_size, float32)
             total = cuda.local.array(acc_size, float32)
@@ -601,14 +622,15 @@ def staged_kernels(config: StagedConfig):
                     staged = half_tiles * ww + n % half_tiles + (staged_tiles // 2 if n >= half_tiles else 0)
                 else:
                     staged = weight_tiles * ww + n
-                tile_at[n] = int32(TILE_WORDS * staged + 2 * lane)
+                tile_at[n] = int32(tile_words * staged + 2 * lane)
             warp_column = first_row + TILE_ROWS * (half_tiles if gate_up else weight_tiles) * ww
             first_token = 8 * token_tiles * wt
-            token_lane_at = int32(weight_words + 8 * (first_token + (lane >> 2)) + 2 * (lane & 3))
+            token_lane_at = int32(weight_words + 8 * per_stage * (first_token + (lane >> 2)) + 2 * (lane & 3))
             token_words = tokens.shape[2]
-            k_chunks = int32(n_chunks)
-            share = int32((k_chunks + K_SPLIT - 1) // K_SPLIT)
-            chunks = int32(share * K_SPLIT)
+            # 32-bit counters: the loop is issue-bound, and 64-bit ones cost two instructions each
+            k_stages = int32(n_chunks // per_stage)
+            share = int32((n_chunks + K_SPLIT - 1) // K_SPLIT // per_stage)  # stages a share
+            n_stages = int32(share * K_SPLIT)
             active = cuda.blockIdx.y
             while active < n_active[0]:  # block-uniform: the block syncs
                 expert = active_experts[active]
@@ -630,44 +652,41 @@ def staged_kernels(config: StagedConfig):
                 for base in range(begin, end, tokens_per_pass):
                     for i in range(token_copies):
                         piece = cuda.threadIdx.x + i * threads
-                        pair = base + (piece >> 2)
+                        pair = base + piece // token_pieces
                         token_at[i] = int32(-1)
                         token_from[i] = 0
-                        if pair < end and piece < 4 * tokens_per_pass:
+                        if pair < end and piece < token_pieces * tokens_per_pass:
                             token_at[i] = int32(weight_words + 2 * piece)
                             token_from[i] = ((sorted_pairs[pair] // k if gate_up else pair) * token_words
-                                             + 2 * (piece & 3))
+                                             + 2 * (piece % token_pieces))
                     has_tokens = base + first_token < end
-                    for chunk in range(stages - 1):  # prologue: stages - 1 chunks in flight
-                        if chunk < k_chunks:
-                            copy_chunk(stage, chunk, int32(chunk), w, weight_at, weight_from, tokens, token_at,
+                    for stage in range(stages - 1):  # prologue: stages - 1 stages in flight
+                        if stage < k_stages:
+                            copy_stage(slots, stage, int32(stage), w, weight_at, weight_from, tokens, token_at,
                                        token_from)
                         copy_commit()  # (an empty group keeps the count uniform)
                     zero_all(acc)
-                    # 32-bit counters: the chunk loop is issue-bound, and 64-bit ones cost two instructions a step
                     slot, fill_slot, share_left, first_share = int32(0), int32(stages - 1), int32(share), True
-                    chunk = int32(0)
-                    while chunk < chunks:
-                        wait_for_chunk()
+                    stage = int32(0)
+                    while stage < n_stages:
+                        wait_for_stage()
                         cuda.syncthreads()  # every thread's copies landed; the slot refilled next is read
-                        if int32(chunk + stages - 1) < k_chunks:  # (numba widens int32 sums to int64)
-                            copy_chunk(stage, fill_slot, int32(chunk + stages - 1), w, weight_at, weight_from, tokens,
-                                       token_at, token_from)
+                        if int32(stage + stages - 1) < k_stages:  # (numba widens int32 sums to int64)
+                            copy_stage(slots, fill_slot, int32(stage + stages - 1), w, weight_at, weight_from,
+                                       tokens, token_at, token_from)
                         copy_commit()
                         fill_slot = int32(0) if fill_slot == stages - 1 else int32(fill_slot + 1)
-                        # a share padded past K skips its chunks there, as the streaming warps do; a warp past the
+                        # a share padded past K skips its stages there, as the streaming warps do; a warp past the
                         # pass's pairs skips them all (warp-uniform; the simulator's mma syncs the block)
-                        if chunk < k_chunks and (ON_SIMULATOR or has_tokens):
-                            at = int32(slot * slot_words)
-                            load_weight_tiles((stage, at, tile_at, a))
-                            load_token_tiles((stage, at + token_lane_at, b))
-                            chunk_mma((acc, a, b, scratch))
+                        if stage < k_stages and (ON_SIMULATOR or has_tokens):
+                            stage_products((slots, int32(slot * slot_words), tile_at, token_lane_at, acc, a, b,
+                                            scratch))
                         slot = int32(0) if slot == stages - 1 else int32(slot + 1)
                         share_left = int32(share_left - 1)
                         if share_left == 0:
                             fold_all((acc, total, first_share))
                             first_share, share_left = False, int32(share)
-                        chunk = int32(chunk + 1)
+                        stage = int32(stage + 1)
                     if gate_up:
                         store_act_all((total, out, base + first_token, end, warp_column, f))
                     else:
@@ -704,14 +723,22 @@ def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, 
     x_bits = pair_out.reshape(n_pairs * d).view(np.uint32)[:s * d // 2].reshape(s, d // 2)
     _round_to_bf16[(math.ceil(d // 2 / CONVERT_THREADS), row_blocks(s)), CONVERT_THREADS, stream](x, x_bits)
     config = config or tc_config_for(plan.sorted_pairs.shape[0], plan.expert_counts.shape[0])
-    gate_up_tc, down_tc = config.kernels()
+    gate_up_config, down_config = (_staged_fit(config, d // CHUNK), _staged_fit(config, f // CHUNK))
+    gate_up_tc, down_tc = gate_up_config.kernels()[0], down_config.kernels()[1]
     act_bits = act.view(np.uint16)  # [P, 2f]: bf16 act in the first f columns
-    _launch(config, gate_up_tc, -(-f // config.rows_per_block(True)), max_active, stream,
+    _launch(gate_up_config, gate_up_tc, -(-f // config.rows_per_block(True)), max_active, stream,
             x_bits.view(np.uint64).reshape(1, s, d // 4), _flat_words(gate_view), 2 * f // TILE_ROWS, d // CHUNK, f, k,
             plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, act_bits)
-    _launch(config, down_tc, -(-d // config.rows_per_block(False)), max_active, stream,
+    _launch(down_config, down_tc, -(-d // config.rows_per_block(False)), max_active, stream,
             act.view(np.uint64).reshape(1, n_pairs, f // 2), _flat_words(down_view), d // TILE_ROWS, f // CHUNK, 0, 1,
             plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, pair_out)
+
+
+def _staged_fit(config, n_chunks: int):
+    """config for a product of n_chunks chunks: a StagedConfig whose stages do not fit them takes one chunk a stage."""
+    if isinstance(config, StagedConfig) and not config.stage_fits(n_chunks):
+        return replace(config, chunks_per_stage=1)
+    return config
 
 
 def _flat_words(view):

@@ -135,6 +135,23 @@ def test_every_launch_shape_gives_the_few_pairs_bits(config):
 
 
 @pytest.mark.sim
+def test_stages_of_two_chunks_give_the_few_pairs_bits():
+    """A staged config of two chunks a stage where K's chunks and the share are whole stages (d = f = 128: 4
+    chunks, the simulator's 2 shares of 2), and where they are not (d = 96: 3 chunks; f = 160: a share of 3),
+    which the launcher runs one chunk a stage."""
+    config = StagedConfig(1, 2, 2, 2, 2, 2)
+    assert config.stage_fits(4) and not config.stage_fits(3) and not config.stage_fits(5)
+    rng = np.random.default_rng(8)
+    for d, f in ((128, 128), (96, 160)):
+        x, ids, weights, gate_up, down = random_case(rng, 19, d, f, 4, 2, one_expert_for_all=True)
+        gate_up_d, down_d = on_device(gate_up, down)
+        few, other = (moe_experts(x, ids, weights, gate_up_d, down_d, out=poisoned((19, d)), tensor_cores=True,
+                                  config=c).copy_to_host() for c in (FEW_PAIRS_CONFIG, config))
+        assert not np.isnan(other).any()
+        assert np.array_equal(few.view(np.uint32), other.view(np.uint32)), f"d={d} f={f}"
+
+
+@pytest.mark.sim
 def test_launch_shapes_refuse_what_they_cannot_hold():
     with pytest.raises(ValueError, match="warps_t"):
         StagedConfig(0, 4, 2)
@@ -144,6 +161,8 @@ def test_launch_shapes_refuse_what_they_cannot_hold():
         StagedConfig(2, 2, 2, 3)  # gate_up splits a warp's weight tiles into gate and up halves
     with pytest.raises(ValueError, match="shared memory"):
         StagedConfig(4, 4, 8, 8, 16)  # 16 stages of 512 weight rows and 256 tokens: 768 KB
+    with pytest.raises(ValueError, match="chunks_per_stage"):
+        StagedConfig(2, 2, 2, 2, 4, 0)
     with pytest.raises(ValueError, match="multiple of 16"):
         fragment_layout(np.zeros((2, 24, 64), np.uint16))
 
