@@ -209,7 +209,7 @@ many-pairs)
     ;;
 experts-against)
     step experts-against 400 python3 -W ignore tools/experts_probe.py --tokens 64,128,256 \
-        --time "${STAGED_CONFIGS:-5,2,2,2,3,2;4,2,2,4,4;4,2,2,4,3,2;2,4,4,2,3,2}" --against "${AGAINST:?AGAINST=an earlier experts_tc.py}"
+        --time "${STAGED_CONFIGS:-5,2,2,2,3,2;4,2,2,4,4;4,2,2,4,3,2;2,4,4,2,3,2;4,2,4,4,3}" --against "${AGAINST:?AGAINST=an earlier experts_tc.py}"
     grep -a -E "^s= *[0-9]+ " "$log" | cut -c1-150
     ;;
 moe-graphs)

@@ -94,7 +94,8 @@ TC_CONFIGS = [experts_tc.FEW_PAIRS_CONFIG, experts_tc.MID_PAIRS_CONFIG, experts_
     STAGED(2, 2, 4, 2, 4), STAGED(2, 4, 4, 2, 4), STAGED(2, 2, 4, 4, 4), STAGED(1, 4, 8, 2, 4), STAGED(2, 2, 4, 2, 8),
     STAGED(2, 4, 4, 2, 6), STAGED(1, 8, 8, 2, 4), STAGED(2, 2, 2, 4, 6), STAGED(3, 2, 4, 2, 4), STAGED(4, 2, 4, 2, 4),
     STAGED(2, 2, 6, 2, 4), STAGED(6, 1, 2, 4, 4), STAGED(5, 2, 4, 2, 4), STAGED(5, 2, 2, 4, 4),
-    STAGED(5, 2, 2, 2, 3, 2), STAGED(4, 2, 2, 4, 3, 2), STAGED(2, 4, 4, 2, 3, 2), STAGED(2, 2, 4, 2, 4, 2)])
+    STAGED(5, 2, 2, 2, 3, 2), STAGED(4, 2, 2, 4, 3, 2), STAGED(2, 4, 4, 2, 3, 2), STAGED(2, 2, 4, 2, 4, 2),
+    STAGED(4, 2, 4, 4, 3), STAGED(2, 4, 4, 4, 3)])
 # staged: (warps_t, warps_w, token_tiles, weight_tiles, stages, chunks_per_stage, register cap)
 TENSOR_CORES = "--tensor-cores" in sys.argv[1:]
 GRAPHS = "--graphs" in sys.argv[1:] and not ON_SIMULATOR  # time each call as a CUDA graph replay
