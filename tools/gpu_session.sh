@@ -208,7 +208,7 @@ many-pairs)
     grep -a -E "^MANY_PAIRS_CONFIG|^=====|staged_kernels" "$log" | cut -c1-150
     ;;
 experts-against)
-    step experts-against 400 python3 -W ignore tools/experts_probe.py --tokens 64,128,256 \
+    step experts-against 540 python3 -W ignore tools/experts_probe.py --tokens 64,128,256 \
         --time "${STAGED_CONFIGS:-5,2,2,2,3,2;4,2,2,4,4;4,2,2,4,3,2;2,4,4,2,3,2;4,2,4,4,3}" --against "${AGAINST:?AGAINST=an earlier experts_tc.py}"
     grep -a -E "^s= *[0-9]+ " "$log" | cut -c1-150
     ;;
