@@ -3,8 +3,10 @@
 Against a float64 reference that rounds the activations to bf16 as the kernels do (x before gate_up, act before
 down); outputs NaN-poisoned; and batch invariance: each token run alone gives the bits it gets among all s.
 Simulator: toy sizes (d = 64 and 160, f = 32, 5 experts, one expert holding every token so it takes several passes;
-every launch shape against the few-pairs one, bit for bit);
-GPU: Kimi K2's d = 7168, f = 2048 with 8 experts, s = 1, 8 and 256.
+every launch shape against the few-pairs one, bit for bit; stages of two chunks; the fragment layout element by
+element);
+GPU: Kimi K2's d = 7168, f = 2048 with 8 experts, s = 1, 8, 32 and 256, and two staged candidates against the
+few-pairs bits; the fragment layout of a torch tensor.
 """
 import numpy as np
 import pytest
@@ -190,3 +192,18 @@ def test_k2_dims_tensor_core_experts(s):
     # K = 7168 summed in the mma's fp32 and a rare act rounded to the other bf16 neighbour: 2e-3 of max |y|
     assert_close(together[tokens], reference(x, ids, weights, gate_up, down, tokens), 2e-3)
     assert_tokens_alone_equal(x, ids, weights, gate_up, down, together, tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [StagedConfig(5, 2, 2, 2, 3, 2), StagedConfig(4, 2, 4, 4, 3)], ids=str)
+def test_k2_dims_other_staged_shapes_give_the_few_pairs_bits(config):
+    """Candidates for MANY_PAIRS_CONFIG (two chunks a stage; warps of 32 tokens x 64 rows) compiled for the GPU
+    at Kimi K2's d and f (224 and 64 chunks: whole stages), 64 tokens on 8 experts: FEW_PAIRS_CONFIG's bits."""
+    rng = np.random.default_rng(64)
+    x, ids, weights, gate_up, down = random_case(rng, 64, 7168, 2048, 8, 8)
+    assert config.stage_fits(7168 // 32) and config.stage_fits(2048 // 32)
+    gate_up_d, down_d = on_device(gate_up, down)
+    few, other = (moe_experts(x, ids, weights, gate_up_d, down_d, out=poisoned(x.shape), tensor_cores=True,
+                              config=c).copy_to_host() for c in (FEW_PAIRS_CONFIG, config))
+    assert not np.isnan(other).any()
+    assert np.array_equal(few.view(np.uint32), other.view(np.uint32)), f"max |diff| {np.abs(few - other).max():.3g}"
