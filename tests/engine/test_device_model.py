@@ -223,19 +223,26 @@ def _on_host(x) -> np.ndarray:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.parametrize("preset", ["tiny", "small", "tiny-f32"])
 def test_weights_drawn_on_the_gpu_build_the_model_the_host_weights_build(preset, weight_dtype):
     """A seeded preset on cuda is drawn on the GPU (SeededWeights): every device weight, and the logits of a
-    prefill and a step, equal those of the model built from the host's draw, bit for bit."""
+    prefill and a step, equal those of the model built from the host's draw, bit for bit. tiny-f32 (tiny with f
+    = 32) runs its routed experts on the tensor cores in bf16, their weights laid out by torch on the GPU for the
+    one and by numpy on the host for the other."""
+    import dataclasses
+
     from kdspec.engine.device.model import DeviceModel
     from kdspec.engine.model.config import PRESETS
     from kdspec.engine.model.weights import SeededWeights, random_weights
 
-    cfg = PRESETS[preset]
+    cfg = (dataclasses.replace(PRESETS["tiny"], moe_intermediate_size=32) if preset == "tiny-f32"
+           else PRESETS[preset])
     seeded = SeededWeights(cfg, 3)
     drawn = DeviceModel(cfg, seeded, "cuda", weight_dtype, graphs=False)
     copied = DeviceModel(cfg, random_weights(cfg, 3), "cuda", weight_dtype, graphs=False)
     assert drawn._drawn and not copied._drawn and not seeded._host
+    assert drawn.tensor_core_experts == copied.tensor_core_experts == (preset == "tiny-f32"
+                                                                       and weight_dtype == "bfloat16")
     for attribute in ("embed", "final_norm", "lm_head"):
         assert np.array_equal(_on_host(getattr(drawn, attribute)), _on_host(getattr(copied, attribute))), attribute
     for i, (ours, theirs) in enumerate(zip(drawn.layers, copied.layers)):
