@@ -228,11 +228,13 @@ def _split_words(first, second, out, at):
 
 @device_function(**INLINE_DEVICE)
 def load_words(a, i, row, word, valid, out, at):
-    """out[at .. at + 3] = the 8 bf16 of a[i, row, columns 8 word .. 8 word + 7] as 4 uint32 pairs when valid (else
-    out is left as it is). a: bf16 viewed as uint64 [n, rows, cols / 4]."""
+    """out[at .. at + 3] = the 8 bf16 of a[i, row, columns 8 word .. 8 word + 7] as 4 uint32 pairs when valid; else
+    as load_fragment. a: bf16 viewed as uint64 [n, rows, cols / 4]."""
     if valid:
         first, second = load_u64x2(a, i, row, word)
         _split_words(first, second, out, at)
+    elif ON_SIMULATOR:
+        _split_words(uint64(0), uint64(0), out, at)
 
 
 @device_function(**INLINE_DEVICE)
@@ -331,14 +333,10 @@ def tc_kernels(config: TcConfig):
     jit_options = dict(max_registers=config.max_registers) if config.max_registers and not ON_SIMULATOR else {}
 
     def load_tile(n, args):
-        """Token tile n's B fragment of one chunk into tiles[4 n ..]: zeros past the pass's pairs under the
-        simulator; on the GPU those columns hold whatever they held, which reaches only outputs never stored
-        (each output of an mma is its own token's)."""
+        """Token tile n's B fragment of one chunk into tiles[4 n ..]; past the pass's pairs load_words loads nothing
+        on the GPU: those columns reach only outputs never stored (each output of an mma is its own token's)."""
         tokens, source_rows, word, valid, n_used, tiles = args
-        in_pass = valid and n < n_used and source_rows[n] >= 0
-        if ON_SIMULATOR and not in_pass:
-            _split_words(uint64(0), uint64(0), tiles, 4 * n)
-        load_words(tokens, 0, source_rows[n], word, in_pass, tiles, 4 * n)
+        load_words(tokens, 0, source_rows[n], word, valid and n < n_used and source_rows[n] >= 0, tiles, 4 * n)
 
     def tile_mma(n, args):
         """Token tile n's two k-steps of both weight tiles, the chunk's weights at weights[at ..]."""
