@@ -133,7 +133,7 @@ def launcher_for(kernel) -> Launcher:
 _SPECIALIZED: dict = {}  # (id(kernel), argument type keys) -> (kernel, Launcher of its overload for those types)
 
 
-def _type_key(value):
+def type_key(value):
     """What Numba's typing of a launch argument depends on: (dtype, ndim, layout) of a device array, the type
     of a scalar; None for anything else (a host array: Numba copies it, the launcher cannot)."""
     if hasattr(value, "is_c_contiguous"):
@@ -152,7 +152,7 @@ def launch(kernel, grid, block, stream, *args, shared_bytes: int = 0) -> None:
     The overload is compiled by the kernel itself, not by ``kernel.specialize``: a specialization is a new
     dispatcher without the kernel's disk cache (kernel_cache), so it would compile in every process."""
     if not ON_SIMULATOR:
-        keys = tuple(_type_key(value) for value in args)
+        keys = tuple(type_key(value) for value in args)
         if None not in keys:
             entry = _SPECIALIZED.get((id(kernel),) + keys)
             if entry is None or entry[0] is not kernel:

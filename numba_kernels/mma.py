@@ -35,7 +35,7 @@ from numba import cuda, float32, types, uint32
 from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import device_address
 from kdspec.numba_kernels.intrinsics import at, at_put
-from kdspec.numba_kernels.launch import launcher_for
+from kdspec.numba_kernels.launch import launcher_for, type_key
 from kdspec.numba_kernels.runtime import ON_SIMULATOR, SHARED_LIMIT, device_function, static_for
 
 WARP = 32
@@ -661,6 +661,22 @@ def allow_dynamic_shared(kernel, nbytes: int) -> None:
     for overload in kernel.overloads.values():
         function = overload._codelibrary.get_cufunc()
         driver.cuKernelSetAttribute(attribute, nbytes, function.handle, function.device.id)
+
+
+_OPTED_IN: set = set()  # (kernel id, bytes, argument type keys) of the overloads opted in by opt_in_shared
+
+
+def opt_in_shared(kernel, args, nbytes: int) -> None:
+    """Let the overload of a lazily compiled ``kernel`` for these launch arguments take nbytes of dynamic shared
+    memory (compiled here first: above 48 KB a launch fails without the opt-in). Nothing to do at or below 48 KB
+    or on the simulator; a second call for the same argument types costs a dictionary lookup."""
+    if nbytes <= SHARED_LIMIT or ON_SIMULATOR:
+        return
+    key = (id(kernel), nbytes) + tuple(type_key(arg) for arg in args)
+    if key not in _OPTED_IN:
+        kernel.compile(tuple(kernel.typeof_pyval(arg) for arg in args))
+        allow_dynamic_shared(kernel, nbytes)
+        _OPTED_IN.add(key)
 
 
 def gemm_grid(config: GemmConfig, m: int, n: int, splits: int = 1) -> tuple[int, int, int]:

@@ -53,9 +53,9 @@ from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import device_address
 from kdspec.numba_kernels.intrinsics import at2, at2_put
 from kdspec.numba_kernels.moe.experts import ExpertPlan, load_u64x2, load_u64x2_flat, silu
-from kdspec.numba_kernels.mma import (BF16_SCRATCH_PER_WARP, MAX_SHARED_BYTES, WARP, allow_dynamic_shared, copy16,
-                                      copy_commit, copy_wait, float_bits, mma_bf16)
-from kdspec.numba_kernels.runtime import (INLINE_DEVICE, ON_SIMULATOR, SHARED_LIMIT, device_function, row_blocks,
+from kdspec.numba_kernels.mma import (BF16_SCRATCH_PER_WARP, MAX_SHARED_BYTES, WARP, copy16, copy_commit, copy_wait,
+                                      float_bits, mma_bf16, opt_in_shared)
+from kdspec.numba_kernels.runtime import (INLINE_DEVICE, ON_SIMULATOR, device_function, row_blocks,
                                           static_for)
 
 CHUNK = 32                                # K columns a chunk: two mma k-steps, 4 lanes x 8 columns
@@ -747,17 +747,9 @@ def _flat_words(view):
     return words.reshape(words.size)
 
 
-_OPTED_IN = set()  # (kernel id, argument types) whose compiled kernel may take its config's shared memory
-
-
 def _launch(config, kernel, row_blocks_x: int, max_active: int, stream, *args) -> None:
     """kernel over (row_blocks_x, row_blocks(max_active)) blocks of config.threads, with a staged config's dynamic
-    shared memory (above 48 KB the compiled kernel must opt in first: compiled here for these arguments)."""
+    shared memory (above 48 KB the compiled kernel must opt in first: opt_in_shared)."""
     shared = config.shared_bytes if isinstance(config, StagedConfig) else 0
-    if shared > SHARED_LIMIT and not ON_SIMULATOR:  # (else no signature to work out per launch)
-        signature = tuple(kernel.typeof_pyval(arg) for arg in args)
-        if (id(kernel), signature) not in _OPTED_IN:
-            kernel.compile(signature)
-            allow_dynamic_shared(kernel, shared)
-            _OPTED_IN.add((id(kernel), signature))
+    opt_in_shared(kernel, args, shared)
     kernel[(row_blocks_x, row_blocks(max_active)), config.threads, stream, shared](*args)

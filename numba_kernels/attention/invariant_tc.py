@@ -1,0 +1,379 @@
+"""Batch-invariant MLA attention on the tensor cores (tf32 mma.sync, fp32 accumulation): invariant.py's contract
+(read it first: compacted key order, fixed key ranges a split, empty splits merged away) with the score and value
+products as m16n8k8 tf32 mma instead of fp32 FMA, for the bf16 model (issue #19: the FMA kernel's 64 heads x
+keys x 1088 products a token bound the verify at large budgets).
+
+A block owns one query token, a head tile of 16 heads (mma rows; heads past h are zero rows, never written) and
+one key range (split) of KEYS_PER_SPLIT compacted keys, which it walks in chunks of CHUNK keys:
+  copy:   the chunk's key rows [CHUNK, c + r] go to shared memory by cp.async as they are (fp32 bits; the mma reads
+          them as tf32), STAGES chunks in flight; keys past the token's count are zero-filled;
+  scores: warp w sums the products of its own WARPS-th of the K dimensions (k-steps w * KSW .. w * KSW + KSW - 1,
+          its q fragments in registers, rounded to tf32 once) for every key of the chunk, accumulating inside the
+          mma; the WARPS partial sums of a score are added in warp order (through shared memory);
+  softmax: an online softmax over the chunk's keys (lane = key; warp max and sum); p rounded to tf32;
+  values: warp w owns the latent columns of n-tiles w, w + WARPS, ...: acc = acc * alpha + p @ V, the chunk's
+          k-steps accumulated inside the mma in key order.
+A row's arithmetic is therefore fixed by WARPS, CHUNK and KEYS_PER_SPLIT (and the mma's own sum): which blocks run,
+how many tokens share the launch and STAGES (when the copies land) do not change a bit of it, so s = 1 and s = 257
+give a token the same output. Within an mma k-step lane (g, tq) holds dimensions 2 tq, 2 tq + 1 of the k-step's 8
+(logical k tq and tq + 4), in q and keys alike: one 8-byte shared load is a lane's whole key fragment.
+Shared memory: key rows at a stride of KEY_STRIDE words (= 8 mod 32: a warp's fragment loads hit distinct banks
+in both products).
+Precision: tf32 operands (q and p rounded to nearest, keys as stored: the mma reads their upper 19 bits), fp32
+sums; against the float64 reference about 1e-3 relative, the bf16 model's own level (tests/kernels/
+test_attention_invariant_tc.py).
+Shapes: q_lat float32 [s, h, c], q_pe float32 [s, h, r], cache_layer float32 [t, c + r] (C-contiguous, c + r a
+multiple of 4), visibility uint32 [s, >= ceil(s/32)], out float32 [s, h, c].
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda, float32, uint32, uint64
+
+from kdspec.numba_kernels import kernel_cache
+from kdspec.numba_kernels.attention.common import MAX_LATENT, MAX_WIDTH, MERGE_THREADS, checked_inputs, \
+    merge_splits_kernel
+from kdspec.numba_kernels.attention.invariant import visible_keys
+from kdspec.numba_kernels.host_arrays import is_device_scalar
+from kdspec.numba_kernels.launch import launch
+from kdspec.numba_kernels.mma import (SIM_SCRATCH_PER_WARP, TF32_MASK, WARP, copy16, copy_commit, copy_wait,
+                                      float_bits, mma_tf32, opt_in_shared)
+from kdspec.numba_kernels.reductions import FULL_MASK
+from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function, row_blocks, scalar_reader, \
+    static_for
+
+# The row arithmetic (module docstring): changing any of these changes a row's bits.
+WARPS = 2 if ON_SIMULATOR else 4  # the score's K dimensions in WARPS shares (one a warp), added in warp order
+CHUNK = 16 if ON_SIMULATOR else 32  # keys a chunk: the online softmax's rescaling points (<= 32: lane = key)
+KEYS_PER_SPLIT = 2 * CHUNK if ON_SIMULATOR else 8 * CHUNK  # compacted keys a split
+HEAD_TILE = 16  # heads a block (the mma's rows)
+THREADS = WARPS * WARP
+K_STEPS = -(-MAX_WIDTH // 8)  # the score's k-steps (8 dimensions each), at most
+KSW = -(-K_STEPS // WARPS)  # score k-steps a warp (its share)
+NT_KEYS = CHUNK // 8  # the score's n-tiles: 8 keys each
+NT_VALUE = -(-MAX_LATENT // (8 * WARPS))  # the value's n-tiles a warp (8 latent columns each)
+KEY_STRIDE = 32 * -(-MAX_WIDTH // 32) + 8  # words a key row in shared memory (= 8 mod 32)
+ROW_STRIDE = CHUNK + 4  # words a head row of the scores and of p in shared memory (= 4 mod 32 on a GPU)
+TF32_HALF_ULP = 0x1000
+
+
+class TcAttentionConfig(NamedTuple):
+    """A launch shape: stages, the chunks in flight (1: a block's copies wait for its products, 2: the next chunk
+    lands while this one computes; more shared memory a block). It does not change a row's bits."""
+    stages: int = 2
+    blocks_per_sm: int = 1
+
+    @property
+    def shared_words(self) -> int:
+        keys = self.stages * CHUNK * KEY_STRIDE
+        return keys + WARPS * HEAD_TILE * ROW_STRIDE + HEAD_TILE * ROW_STRIDE + 3 * HEAD_TILE
+
+    @property
+    def shared_bytes(self) -> int:
+        return 4 * self.shared_words
+
+
+DEFAULT_CONFIG = TcAttentionConfig()
+
+
+def supports(latent: int, rope: int) -> bool:
+    """Whether the kernel takes c = ``latent``, r = ``rope``: c + r a multiple of 4 (16-byte copies of a key row),
+    within MAX_LATENT and MAX_WIDTH."""
+    return 0 < latent <= MAX_LATENT and latent + rope <= MAX_WIDTH and (latent + rope) % 4 == 0
+
+
+@device_function(inline=True)
+def tf32_bits(x):
+    """x (float32) rounded to tf32, nearest (ties away), as uint32 bits (tf32_split's integer rounding)."""
+    return (float_bits(x) + uint32(TF32_HALF_ULP)) & uint32(TF32_MASK)
+
+
+@functools.lru_cache(maxsize=None)
+def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_device: bool = False):
+    """The kernel for one launch shape and kind of prefix argument (built once each)."""
+    STAGES = config.stages
+    STAGE_WORDS = CHUNK * KEY_STRIDE
+    PART = STAGES * STAGE_WORDS  # partial scores [WARPS, HEAD_TILE, ROW_STRIDE] (float32)
+    P_WORDS = PART + WARPS * HEAD_TILE * ROW_STRIDE  # p [HEAD_TILE, ROW_STRIDE] (tf32 bits)
+    STATS = P_WORDS + HEAD_TILE * ROW_STRIDE  # alpha, running max, running sum [HEAD_TILE] each (float32)
+    ROWS_A_WARP = HEAD_TILE // WARPS  # softmax rows a warp
+    SCRATCH = WARPS * SIM_SCRATCH_PER_WARP if ON_SIMULATOR else 1
+    REDUCE = THREADS if ON_SIMULATOR else 1
+    compile_options = {} if ON_SIMULATOR else dict(launch_bounds=(THREADS, config.blocks_per_sm))
+    read_prefix = scalar_reader(prefix_on_device)
+    wait_for_chunk = copy_wait(STAGES - 1)  # at most the chunks after this one in flight
+
+    @device_function(inline=True)
+    def warp_reduce(value, is_sum, reduce_s):
+        """Max (is_sum False) or sum of value over the warp, to every lane: the xor butterfly on a GPU, shared
+        memory on the simulator (every thread of the block calls it there)."""
+        if ON_SIMULATOR:
+            tid = cuda.threadIdx.x
+            first = tid - tid % WARP
+            reduce_s[tid] = value
+            cuda.syncthreads()
+            result = reduce_s[first]
+            for k in range(1, WARP):
+                other = reduce_s[first + k]
+                result = result + other if is_sum else max(result, other)
+            cuda.syncthreads()
+            return result
+        offset = WARP // 2
+        while offset > 0:
+            other = cuda.shfl_xor_sync(FULL_MASK, value, offset)
+            value = value + other if is_sum else max(value, other)
+            offset //= 2
+        return value
+
+    @device_function(**INLINE_DEVICE)
+    def load_q_step(i, args):
+        """q_frag[4 i ..] = the tf32 A fragment of this warp's k-step i (rows g, g + 8; dimensions 2 tq, 2 tq + 1)."""
+        q_lat, q_pe, token, head0, warp, g, tq, q_frag = args
+        heads, latent = q_lat.shape[1], q_lat.shape[2]
+        width = latent + q_pe.shape[2]
+        d = 8 * (warp * KSW + i) + 2 * tq
+        for half in range(2):
+            head = head0 + g + 8 * half
+            for u in range(2):
+                value = float32(0.0)
+                if head < heads and d + u < width:
+                    value = q_lat[token, head, d + u] if d + u < latent else q_pe[token, head, d + u - latent]
+                q_frag[4 * i + half + 2 * u] = tf32_bits(value)  # a0 (g, 2tq), a1 (g+8, 2tq), a2, a3: + 1
+
+    load_q = static_for(KSW, load_q_step)
+
+    @device_function(**INLINE_DEVICE)
+    def score_step(i, args):
+        """score[n] += this warp's k-step i for the chunk's NT_KEYS key tiles (i a constant: q_frag stays in
+        registers)."""
+        keys64, stage, q_frag, score, warp, g, tq, width, scratch = args
+        step = warp * KSW + i
+        live = 8 * step < width  # warp-uniform: steps past c + r add nothing (the simulator runs them as zeros)
+        if live or ON_SIMULATOR:
+            for n in range(NT_KEYS):
+                pair = uint64(0)
+                if live:
+                    pair = keys64[(stage + (8 * n + g) * KEY_STRIDE + 8 * step + 2 * tq) // 2]
+                b0, b1 = uint32(pair & uint64(0xFFFFFFFF)), uint32(pair >> uint64(32))
+                score[4 * n], score[4 * n + 1], score[4 * n + 2], score[4 * n + 3] = mma_tf32(
+                    q_frag[4 * i], q_frag[4 * i + 1], q_frag[4 * i + 2], q_frag[4 * i + 3], b0, b1,
+                    score[4 * n], score[4 * n + 1], score[4 * n + 2], score[4 * n + 3], scratch)
+
+    score_steps = static_for(KSW, score_step)
+
+    @device_function(**INLINE_DEVICE)
+    def value_tile(j, args):
+        """acc tile j (latent columns 8 (j WARPS + warp) ..) += p @ V over the chunk's k-step kk."""
+        words, stage, p_frag, acc, kk, warp, g, tq, latent, scratch = args
+        n0 = 8 * (j * WARPS + warp)
+        live = n0 < latent
+        if live or ON_SIMULATOR:
+            b0, b1 = uint32(0), uint32(0)
+            if live:
+                b0 = words[stage + (8 * kk + tq) * KEY_STRIDE + n0 + g]
+                b1 = words[stage + (8 * kk + tq + 4) * KEY_STRIDE + n0 + g]
+            acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma_tf32(
+                p_frag[0], p_frag[1], p_frag[2], p_frag[3], b0, b1,
+                acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3], scratch)
+
+    value_tiles = static_for(NT_VALUE, value_tile)
+
+    @device_function(**INLINE_DEVICE)
+    def value_step(kk, args):
+        """The chunk's k-step kk (keys 8 kk ..) of the value product: p's A fragment, then every tile of the warp."""
+        words, stage, p_frag, acc, warp, g, tq, latent, scratch = args
+        for e in range(4):  # a0 (g, tq), a1 (g + 8, tq), a2 (g, tq + 4), a3 (g + 8, tq + 4)
+            p_frag[e] = words[P_WORDS + (g + 8 * (e % 2)) * ROW_STRIDE + 8 * kk + tq + 4 * (e // 2)]
+        value_tiles((words, stage, p_frag, acc, kk, warp, g, tq, latent, scratch))
+
+    value_steps = static_for(NT_KEYS, value_step)
+
+    @device_function(**INLINE_DEVICE)
+    def copy_chunk(keys_f, stage, cache, chunk_begin, key_end, prefix_len, token, key_rows, width, warp, lane):
+        """Issue the cp.async copies of the chunk's key rows into stage (zero rows past key_end)."""
+        for slot in range(warp, CHUNK, WARPS):
+            key = chunk_begin + slot
+            row = key
+            if key >= key_end:
+                row = 0
+            elif key >= prefix_len:
+                row = prefix_len + key_rows[token, key - prefix_len]
+            nbytes = 16 if key < key_end else 0
+            for v in range(lane, width // 4, WARP):
+                copy16(keys_f, stage + slot * KEY_STRIDE + 4 * v, cache, row * width + 4 * v, nbytes)
+
+    @kernel_cache.jit(fastmath=False, **compile_options)
+    def attention_invariant_tc(q_lat, q_pe, cache, prefix_arg, key_rows, key_counts, scale, direct, out, o_part,
+                               lse_part):
+        """q_lat float32 [s, h, c]; q_pe float32 [s, h, r]; cache float32 flat [t * (c + r)] (rows < P + s read);
+        prefix_arg: P (prefix_on_device: int32 [1] holding P); key_rows int32 [s, >= s], key_counts int32 [s]
+        (invariant.visible_keys); scale float32. Grid (s * ceil(h / HEAD_TILE), splits), THREADS threads,
+        config.shared_bytes of dynamic shared memory. direct: write out (flat [s*h*c]); else o_part (flat
+        [splits*s*h*c], normalised; rows seeing nothing in the split not written) and lse_part (flat
+        [splits*s*h]: -inf where the row sees nothing in the split)."""
+        keys_f = cuda.shared.array(0, float32)  # one dynamic buffer, three views
+        words = cuda.shared.array(0, uint32)
+        keys64 = cuda.shared.array(0, uint64)
+        scratch = cuda.shared.array(SCRATCH, float32)  # the simulator's mma model
+        reduce_s = cuda.shared.array(REDUCE, float32)  # the simulator's warp reductions
+        q_frag = cuda.local.array(4 * KSW, uint32)
+        score = cuda.local.array(4 * NT_KEYS, float32)
+        p_frag = cuda.local.array(4, uint32)
+        acc = cuda.local.array(4 * NT_VALUE, float32)
+        run_max = cuda.local.array(ROWS_A_WARP, float32)
+        run_sum = cuda.local.array(ROWS_A_WARP, float32)
+
+        tid = cuda.threadIdx.x
+        lane, warp = tid % WARP, tid // WARP
+        g, tq = lane >> 2, lane & 3
+        tokens, heads, latent = q_lat.shape[0], q_lat.shape[1], q_lat.shape[2]
+        width = latent + q_pe.shape[2]
+        rows = tokens * heads
+        head_tiles = (heads + HEAD_TILE - 1) // HEAD_TILE
+        token = cuda.blockIdx.x // head_tiles
+        head0 = (cuda.blockIdx.x - token * head_tiles) * HEAD_TILE
+        split = cuda.blockIdx.y
+        prefix_len = read_prefix(prefix_arg)
+        key_begin = split * KEYS_PER_SPLIT
+        key_end = min(prefix_len + key_counts[token], key_begin + KEYS_PER_SPLIT)
+        n_chunks = (max(key_end - key_begin, 0) + CHUNK - 1) // CHUNK
+
+        # the k-step's dimensions past c + r (c + r not a multiple of 8): zeros, never copied over
+        for e in range(tid, STAGES * CHUNK, THREADS):
+            for d in range(width, (width + 7) // 8 * 8):
+                words[e * KEY_STRIDE + d] = uint32(0)
+        load_q((q_lat, q_pe, token, head0, warp, g, tq, q_frag))
+        for e in range(4 * NT_VALUE):
+            acc[e] = float32(0.0)
+        for j in range(ROWS_A_WARP):
+            run_max[j] = -math.inf
+            run_sum[j] = float32(0.0)
+        for s in range(STAGES - 1):  # prologue: the first STAGES - 1 chunks in flight
+            if s < n_chunks:
+                copy_chunk(keys_f, s * STAGE_WORDS, cache, key_begin + s * CHUNK, key_end, prefix_len, token,
+                           key_rows, width, warp, lane)
+            copy_commit()
+
+        for chunk in range(n_chunks):
+            ahead = chunk + STAGES - 1
+            if ahead < n_chunks:
+                copy_chunk(keys_f, (ahead % STAGES) * STAGE_WORDS, cache, key_begin + ahead * CHUNK, key_end,
+                           prefix_len, token, key_rows, width, warp, lane)
+            copy_commit()
+            wait_for_chunk()  # this thread's copies of this chunk landed
+            cuda.syncthreads()  # everyone's landed
+            stage = (chunk % STAGES) * STAGE_WORDS
+            chunk_begin = key_begin + chunk * CHUNK
+            # ---- scores: this warp's K share for all the chunk's keys
+            for e in range(4 * NT_KEYS):
+                score[e] = float32(0.0)
+            score_steps((keys64, stage, q_frag, score, warp, g, tq, width, scratch))
+            for n in range(NT_KEYS):  # c0 (g, 2tq), c1 (g, 2tq + 1), c2 (g + 8, 2tq), c3 (g + 8, 2tq + 1)
+                for e in range(4):
+                    row = g + 8 * (e // 2)
+                    keys_f[PART + (warp * HEAD_TILE + row) * ROW_STRIDE + 8 * n + 2 * tq + e % 2] = score[4 * n + e]
+            cuda.syncthreads()  # partial scores stored
+            # ---- online softmax: warp w owns rows w + WARPS j, lane = key
+            for j in range(ROWS_A_WARP):
+                row = warp + WARPS * j
+                x = float32(-math.inf)
+                if lane < CHUNK and chunk_begin + lane < key_end:
+                    total = keys_f[PART + row * ROW_STRIDE + lane]
+                    for w in range(1, WARPS):
+                        total += keys_f[PART + (w * HEAD_TILE + row) * ROW_STRIDE + lane]
+                    x = total * scale
+                new_max = max(run_max[j], warp_reduce(x, False, reduce_s))
+                p = math.exp(x - new_max) if x != -math.inf else float32(0.0)
+                # nothing visible yet: alpha 1 (exp(-inf - -inf) would be NaN); 0 when the first keys arrive
+                alpha = math.exp(run_max[j] - new_max) if new_max != -math.inf else float32(1.0)
+                run_sum[j] = run_sum[j] * alpha + warp_reduce(p, True, reduce_s)
+                run_max[j] = new_max
+                if lane < CHUNK:
+                    words[P_WORDS + row * ROW_STRIDE + lane] = tf32_bits(p)
+                if lane == 0:
+                    keys_f[STATS + row] = alpha
+            cuda.syncthreads()  # p and alpha stored
+            # ---- values: acc = acc * alpha + p @ V (rows g, g + 8)
+            alpha_g, alpha_g8 = keys_f[STATS + g], keys_f[STATS + g + 8]
+            for j in range(NT_VALUE):
+                acc[4 * j] *= alpha_g
+                acc[4 * j + 1] *= alpha_g
+                acc[4 * j + 2] *= alpha_g8
+                acc[4 * j + 3] *= alpha_g8
+            value_steps((words, stage, p_frag, acc, warp, g, tq, latent, scratch))
+            cuda.syncthreads()  # done with this stage, p and alpha before they are refilled
+
+        # ---- write-out: the softmax owners publish max / sum, each warp divides its columns
+        for j in range(ROWS_A_WARP):
+            if lane == 0:
+                keys_f[STATS + HEAD_TILE + warp + WARPS * j] = run_max[j]
+                keys_f[STATS + 2 * HEAD_TILE + warp + WARPS * j] = run_sum[j]
+        cuda.syncthreads()
+        for half in range(2):
+            head = head0 + g + 8 * half
+            total = keys_f[STATS + 2 * HEAD_TILE + g + 8 * half]
+            if head < heads and (direct or total > 0):
+                # no visible key: NaN when final (the query saw nothing)
+                inv = float32(1.0) / total if total > 0 else float32(math.nan)
+                row_index = token * heads + head
+                base = row_index * latent if direct else (split * rows + row_index) * latent
+                for j in range(NT_VALUE):
+                    column = 8 * (j * WARPS + warp) + 2 * tq
+                    for u in range(2):
+                        if column + u < latent:
+                            if direct:
+                                out[base + column + u] = acc[4 * j + 2 * half + u] * inv
+                            else:
+                                o_part[base + column + u] = acc[4 * j + 2 * half + u] * inv
+        if not direct and tid < HEAD_TILE and head0 + tid < heads:
+            total = keys_f[STATS + 2 * HEAD_TILE + tid]
+            lse_part[split * rows + token * heads + head0 + tid] = \
+                keys_f[STATS + HEAD_TILE + tid] + math.log(total) if total > 0 else float32(-math.inf)
+
+    return attention_invariant_tc
+
+
+def mla_attention_invariant_tc(q_lat, q_pe, cache_layer, prefix_len, visibility, scale: float, keys=None, out=None,
+                               stream=0, config: TcAttentionConfig | None = None):
+    """o_lat float32 [s, h, c] (device), batch-invariant on the tensor cores (module docstring). Arguments as
+    invariant.mla_attention_invariant (prefix_len an int or an int32 [1] device array; ``keys``: the VisibleKeys
+    of this visibility, computed here when None); ``config``: a launch shape (None: DEFAULT_CONFIG; any shape
+    gives the same bits)."""
+    config = DEFAULT_CONFIG if config is None else config
+    if config.stages < 1:
+        raise ValueError(f"bad TcAttentionConfig {config}: stages >= 1")
+    on_device = is_device_scalar(prefix_len, "prefix_len")
+    q_lat, q_pe, cache_layer, visibility, out = checked_inputs(q_lat, q_pe, cache_layer, 0 if on_device else prefix_len,
+                                                               visibility, out, stream, latent_limits=True,
+                                                               contiguous_cache=True)
+    tokens, heads, latent = q_lat.shape
+    if tokens * heads == 0 or latent == 0:
+        return out
+    if not supports(latent, q_pe.shape[2]):
+        raise ValueError(f"c + r = {latent + q_pe.shape[2]}: the tensor-core attention copies key rows in 16-byte "
+                         "pieces (c + r a multiple of 4)")
+    if keys is None:
+        keys = visible_keys(visibility, tokens, stream=stream)
+    total_keys = cache_layer.shape[0] if on_device else prefix_len + tokens
+    splits = -(-total_keys // KEYS_PER_SPLIT)
+    kernel = invariant_tc_kernel(config, on_device)
+    grid = (tokens * -(-heads // HEAD_TILE), splits)
+    cache_flat = cache_layer.reshape(cache_layer.size)
+    flat_out = out.reshape(out.size)
+    if splits == 1:  # the output stands in for the unused partials
+        args = (q_lat, q_pe, cache_flat, prefix_len, keys.rows, keys.counts, np.float32(scale), True, flat_out,
+                flat_out, flat_out)
+    else:
+        o_part = cuda.device_array((splits, tokens, heads, latent), dtype=np.float32, stream=stream)
+        lse_part = cuda.device_array((splits, tokens, heads), dtype=np.float32, stream=stream)
+        args = (q_lat, q_pe, cache_flat, prefix_len, keys.rows, keys.counts, np.float32(scale), False, flat_out,
+                o_part.reshape(o_part.size), lse_part.reshape(lse_part.size))
+    opt_in_shared(kernel, args, config.shared_bytes)
+    launch(kernel, grid, THREADS, stream, *args, shared_bytes=config.shared_bytes)
+    if splits > 1:
+        launch(merge_splits_kernel, row_blocks(tokens * heads), MERGE_THREADS, stream, o_part, lse_part, splits, out)
+    return out
