@@ -39,6 +39,7 @@ from kdspec.numba_kernels.attention.common import MAX_LATENT, MAX_WIDTH, MERGE_T
     merge_splits_kernel
 from kdspec.numba_kernels.attention.invariant import visible_keys
 from kdspec.numba_kernels.host_arrays import is_device_scalar
+from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.launch import launch
 from kdspec.numba_kernels.mma import (SIM_SCRATCH_PER_WARP, TF32_MASK, WARP, copy16, copy_commit, copy_wait,
                                       float_bits, mma_tf32, opt_in_shared)
@@ -54,6 +55,7 @@ HEAD_TILE = 16  # heads a block (the mma's rows)
 THREADS = WARPS * WARP
 K_STEPS = -(-MAX_WIDTH // 8)  # the score's k-steps (8 dimensions each), at most
 KSW = -(-K_STEPS // WARPS)  # score k-steps a warp (its share)
+K_DIMS = 8 * KSW * WARPS  # dimensions the score products cover (zeros past c + r)
 NT_KEYS = CHUNK // 8  # the score's n-tiles: 8 keys each
 NT_VALUE = -(-MAX_LATENT // (8 * WARPS))  # the value's n-tiles a warp (8 latent columns each)
 KEY_STRIDE = 32 * -(-MAX_WIDTH // 32) + 8  # words a key row in shared memory (= 8 mod 32)
@@ -103,6 +105,7 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
     ROWS_A_WARP = HEAD_TILE // WARPS  # softmax rows a warp
     SCRATCH = WARPS * SIM_SCRATCH_PER_WARP if ON_SIMULATOR else 1
     REDUCE = THREADS if ON_SIMULATOR else 1
+    Q_REGS, SCORE_REGS, ACC_REGS = 4 * KSW, 4 * NT_KEYS, 4 * NT_VALUE  # register arrays: plain constants
     compile_options = {} if ON_SIMULATOR else dict(launch_bounds=(THREADS, config.blocks_per_sm))
     read_prefix = scalar_reader(prefix_on_device)
     wait_for_chunk = copy_wait(STAGES - 1)  # at most the chunks after this one in flight
@@ -149,48 +152,73 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
     @device_function(**INLINE_DEVICE)
     def score_step(i, args):
         """score[n] += this warp's k-step i for the chunk's NT_KEYS key tiles (i a constant: q_frag stays in
-        registers)."""
-        keys64, stage, q_frag, score, warp, g, tq, width, scratch = args
-        step = warp * KSW + i
-        live = 8 * step < width  # warp-uniform: steps past c + r add nothing (the simulator runs them as zeros)
-        if live or ON_SIMULATOR:
-            for n in range(NT_KEYS):
-                pair = uint64(0)
-                if live:
-                    pair = keys64[(stage + (8 * n + g) * KEY_STRIDE + 8 * step + 2 * tq) // 2]
-                b0, b1 = uint32(pair & uint64(0xFFFFFFFF)), uint32(pair >> uint64(32))
-                score[4 * n], score[4 * n + 1], score[4 * n + 2], score[4 * n + 3] = mma_tf32(
-                    q_frag[4 * i], q_frag[4 * i + 1], q_frag[4 * i + 2], q_frag[4 * i + 3], b0, b1,
-                    score[4 * n], score[4 * n + 1], score[4 * n + 2], score[4 * n + 3], scratch)
+        registers). key_pairs: the lane's first key pair of the stage (key g, dimensions 2 tq, 2 tq + 1 of the
+        warp's first k-step), in 8-byte words."""
+        keys64, key_pairs, q_frag, score, scratch = args
+        for n in range(NT_KEYS):
+            pair = at(keys64, key_pairs + 4 * n * KEY_STRIDE + 4 * i)  # (constants: an immediate offset)
+            score[4 * n], score[4 * n + 1], score[4 * n + 2], score[4 * n + 3] = mma_tf32(
+                q_frag[4 * i], q_frag[4 * i + 1], q_frag[4 * i + 2], q_frag[4 * i + 3],
+                uint32(pair & uint64(0xFFFFFFFF)), uint32(pair >> uint64(32)),
+                score[4 * n], score[4 * n + 1], score[4 * n + 2], score[4 * n + 3], scratch)
 
     score_steps = static_for(KSW, score_step)
 
     @device_function(**INLINE_DEVICE)
     def value_tile(j, args):
-        """acc tile j (latent columns 8 (j WARPS + warp) ..) += p @ V over the chunk's k-step kk."""
-        words, stage, p_frag, acc, kk, warp, g, tq, latent, scratch = args
-        n0 = 8 * (j * WARPS + warp)
-        live = n0 < latent
-        if live or ON_SIMULATOR:
-            b0, b1 = uint32(0), uint32(0)
-            if live:
-                b0 = words[stage + (8 * kk + tq) * KEY_STRIDE + n0 + g]
-                b1 = words[stage + (8 * kk + tq + 4) * KEY_STRIDE + n0 + g]
-            acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma_tf32(
-                p_frag[0], p_frag[1], p_frag[2], p_frag[3], b0, b1,
-                acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3], scratch)
+        """acc tile j (latent columns 8 (j WARPS + warp) ..: past c they are rope or pad columns, computed and never
+        written) += p @ V over the chunk's k-step whose first V word for this lane is ``values`` (key tq, column g
+        of the warp's first tile)."""
+        words, values, p_frag, acc, scratch = args
+        acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma_tf32(
+            p_frag[0], p_frag[1], p_frag[2], p_frag[3],
+            at(words, values + 8 * WARPS * j), at(words, values + 4 * KEY_STRIDE + 8 * WARPS * j),
+            acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3], scratch)
 
     value_tiles = static_for(NT_VALUE, value_tile)
 
     @device_function(**INLINE_DEVICE)
     def value_step(kk, args):
-        """The chunk's k-step kk (keys 8 kk ..) of the value product: p's A fragment, then every tile of the warp."""
-        words, stage, p_frag, acc, warp, g, tq, latent, scratch = args
-        for e in range(4):  # a0 (g, tq), a1 (g + 8, tq), a2 (g, tq + 4), a3 (g + 8, tq + 4)
-            p_frag[e] = words[P_WORDS + (g + 8 * (e % 2)) * ROW_STRIDE + 8 * kk + tq + 4 * (e // 2)]
-        value_tiles((words, stage, p_frag, acc, kk, warp, g, tq, latent, scratch))
+        """The chunk's k-step kk (keys 8 kk ..) of the value product: p's A fragment (a0 (g, tq), a1 (g + 8, tq),
+        a2 (g, tq + 4), a3 (g + 8, tq + 4) from the lane's first p word ``p_at``), then every tile of the warp."""
+        words, values, p_at, p_frag, acc, scratch = args
+        p_frag[0] = at(words, p_at + 8 * kk)
+        p_frag[1] = at(words, p_at + 8 * ROW_STRIDE + 8 * kk)
+        p_frag[2] = at(words, p_at + 8 * kk + 4)
+        p_frag[3] = at(words, p_at + 8 * ROW_STRIDE + 8 * kk + 4)
+        value_tiles((words, values + 8 * kk * KEY_STRIDE, p_frag, acc, scratch))
 
     value_steps = static_for(NT_KEYS, value_step)
+
+    @device_function(**INLINE_DEVICE)
+    def rescale_tile(j, args):
+        """acc tile j's rows g times alpha_g, rows g + 8 times alpha_g8 (straight-line: acc stays in registers)."""
+        acc, alpha_g, alpha_g8 = args
+        acc[4 * j] *= alpha_g
+        acc[4 * j + 1] *= alpha_g
+        acc[4 * j + 2] *= alpha_g8
+        acc[4 * j + 3] *= alpha_g8
+
+    rescale_tiles = static_for(NT_VALUE, rescale_tile)
+
+    @device_function(**INLINE_DEVICE)
+    def zero_tile(j, args):
+        acc, = args
+        for e in range(4):
+            acc[4 * j + e] = float32(0.0)
+
+    zero_tiles = static_for(NT_VALUE, zero_tile)
+
+    @device_function(**INLINE_DEVICE)
+    def store_tile(j, args):
+        """target[first + 8 WARPS j + u] = acc tile j's (row, column 2 tq + u) * inv for the lane's columns below c
+        (``left``: c minus the lane's first column)."""
+        target, first, acc, row, inv, left = args
+        for u in range(2):
+            if 8 * WARPS * j + u < left:
+                target[first + 8 * WARPS * j + u] = acc[4 * j + row + u] * inv
+
+    store_tiles = static_for(NT_VALUE, store_tile)
 
     @device_function(**INLINE_DEVICE)
     def copy_chunk(keys_f, stage, cache, chunk_begin, key_end, prefix_len, token, key_rows, width, warp, lane):
@@ -220,10 +248,10 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
         keys64 = cuda.shared.array(0, uint64)
         scratch = cuda.shared.array(SCRATCH, float32)  # the simulator's mma model
         reduce_s = cuda.shared.array(REDUCE, float32)  # the simulator's warp reductions
-        q_frag = cuda.local.array(4 * KSW, uint32)
-        score = cuda.local.array(4 * NT_KEYS, float32)
+        q_frag = cuda.local.array(Q_REGS, uint32)
+        score = cuda.local.array(SCORE_REGS, float32)
         p_frag = cuda.local.array(4, uint32)
-        acc = cuda.local.array(4 * NT_VALUE, float32)
+        acc = cuda.local.array(ACC_REGS, float32)
         run_max = cuda.local.array(ROWS_A_WARP, float32)
         run_sum = cuda.local.array(ROWS_A_WARP, float32)
 
@@ -241,14 +269,17 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
         key_begin = split * KEYS_PER_SPLIT
         key_end = min(prefix_len + key_counts[token], key_begin + KEYS_PER_SPLIT)
         n_chunks = (max(key_end - key_begin, 0) + CHUNK - 1) // CHUNK
+        score_lane = g * KEY_STRIDE + 8 * KSW * warp + 2 * tq  # (even) the lane's first key word in a stage
+        value_lane = tq * KEY_STRIDE + 8 * warp + g  # its first V word
+        part_lane = PART + (warp * HEAD_TILE + g) * ROW_STRIDE + 2 * tq  # its first partial score
 
-        # the k-step's dimensions past c + r (c + r not a multiple of 8): zeros, never copied over
+        # dimensions past c + r up to the warps' whole k-steps: zeros, never copied over (the products of q's zeros
+        # with them must be 0, not NaN)
         for e in range(tid, STAGES * CHUNK, THREADS):
-            for d in range(width, (width + 7) // 8 * 8):
-                words[e * KEY_STRIDE + d] = uint32(0)
+            for d in range(width, K_DIMS):
+                at_put(words, e * KEY_STRIDE + d, uint32(0))
         load_q((q_lat, q_pe, token, head0, warp, g, tq, q_frag))
-        for e in range(4 * NT_VALUE):
-            acc[e] = float32(0.0)
+        zero_tiles((acc,))
         for j in range(ROWS_A_WARP):
             run_max[j] = -math.inf
             run_sum[j] = float32(0.0)
@@ -271,20 +302,19 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
             # ---- scores: this warp's K share for all the chunk's keys
             for e in range(4 * NT_KEYS):
                 score[e] = float32(0.0)
-            score_steps((keys64, stage, q_frag, score, warp, g, tq, width, scratch))
+            score_steps((keys64, (stage + score_lane) >> 1, q_frag, score, scratch))
             for n in range(NT_KEYS):  # c0 (g, 2tq), c1 (g, 2tq + 1), c2 (g + 8, 2tq), c3 (g + 8, 2tq + 1)
                 for e in range(4):
-                    row = g + 8 * (e // 2)
-                    keys_f[PART + (warp * HEAD_TILE + row) * ROW_STRIDE + 8 * n + 2 * tq + e % 2] = score[4 * n + e]
+                    at_put(keys_f, part_lane + 8 * ROW_STRIDE * (e // 2) + 8 * n + e % 2, score[4 * n + e])
             cuda.syncthreads()  # partial scores stored
             # ---- online softmax: warp w owns rows w + WARPS j, lane = key
             for j in range(ROWS_A_WARP):
                 row = warp + WARPS * j
                 x = float32(-math.inf)
                 if lane < CHUNK and chunk_begin + lane < key_end:
-                    total = keys_f[PART + row * ROW_STRIDE + lane]
+                    total = at(keys_f, PART + row * ROW_STRIDE + lane)
                     for w in range(1, WARPS):
-                        total += keys_f[PART + (w * HEAD_TILE + row) * ROW_STRIDE + lane]
+                        total += at(keys_f, PART + (w * HEAD_TILE + row) * ROW_STRIDE + lane)
                     x = total * scale
                 new_max = max(run_max[j], warp_reduce(x, False, reduce_s))
                 p = math.exp(x - new_max) if x != -math.inf else float32(0.0)
@@ -293,46 +323,38 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
                 run_sum[j] = run_sum[j] * alpha + warp_reduce(p, True, reduce_s)
                 run_max[j] = new_max
                 if lane < CHUNK:
-                    words[P_WORDS + row * ROW_STRIDE + lane] = tf32_bits(p)
+                    at_put(words, P_WORDS + row * ROW_STRIDE + lane, tf32_bits(p))
                 if lane == 0:
-                    keys_f[STATS + row] = alpha
+                    at_put(keys_f, STATS + row, alpha)
             cuda.syncthreads()  # p and alpha stored
             # ---- values: acc = acc * alpha + p @ V (rows g, g + 8)
-            alpha_g, alpha_g8 = keys_f[STATS + g], keys_f[STATS + g + 8]
-            for j in range(NT_VALUE):
-                acc[4 * j] *= alpha_g
-                acc[4 * j + 1] *= alpha_g
-                acc[4 * j + 2] *= alpha_g8
-                acc[4 * j + 3] *= alpha_g8
-            value_steps((words, stage, p_frag, acc, warp, g, tq, latent, scratch))
+            rescale_tiles((acc, at(keys_f, STATS + g), at(keys_f, STATS + g + 8)))
+            value_steps((words, stage + value_lane, P_WORDS + g * ROW_STRIDE + tq, p_frag, acc, scratch))
             cuda.syncthreads()  # done with this stage, p and alpha before they are refilled
 
         # ---- write-out: the softmax owners publish max / sum, each warp divides its columns
         for j in range(ROWS_A_WARP):
             if lane == 0:
-                keys_f[STATS + HEAD_TILE + warp + WARPS * j] = run_max[j]
-                keys_f[STATS + 2 * HEAD_TILE + warp + WARPS * j] = run_sum[j]
+                at_put(keys_f, STATS + HEAD_TILE + warp + WARPS * j, run_max[j])
+                at_put(keys_f, STATS + 2 * HEAD_TILE + warp + WARPS * j, run_sum[j])
         cuda.syncthreads()
         for half in range(2):
             head = head0 + g + 8 * half
-            total = keys_f[STATS + 2 * HEAD_TILE + g + 8 * half]
+            total = at(keys_f, STATS + 2 * HEAD_TILE + g + 8 * half)
             if head < heads and (direct or total > 0):
                 # no visible key: NaN when final (the query saw nothing)
                 inv = float32(1.0) / total if total > 0 else float32(math.nan)
                 row_index = token * heads + head
                 base = row_index * latent if direct else (split * rows + row_index) * latent
-                for j in range(NT_VALUE):
-                    column = 8 * (j * WARPS + warp) + 2 * tq
-                    for u in range(2):
-                        if column + u < latent:
-                            if direct:
-                                out[base + column + u] = acc[4 * j + 2 * half + u] * inv
-                            else:
-                                o_part[base + column + u] = acc[4 * j + 2 * half + u] * inv
+                first = base + 8 * warp + 2 * tq
+                if direct:
+                    store_tiles((out, first, acc, 2 * half, inv, latent - 8 * warp - 2 * tq))
+                else:
+                    store_tiles((o_part, first, acc, 2 * half, inv, latent - 8 * warp - 2 * tq))
         if not direct and tid < HEAD_TILE and head0 + tid < heads:
-            total = keys_f[STATS + 2 * HEAD_TILE + tid]
+            total = at(keys_f, STATS + 2 * HEAD_TILE + tid)
             lse_part[split * rows + token * heads + head0 + tid] = \
-                keys_f[STATS + HEAD_TILE + tid] + math.log(total) if total > 0 else float32(-math.inf)
+                at(keys_f, STATS + HEAD_TILE + tid) + math.log(total) if total > 0 else float32(-math.inf)
 
     return attention_invariant_tc
 
