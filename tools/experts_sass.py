@@ -1,4 +1,5 @@
-"""The tensor-core experts' SASS on a machine without a GPU: registers, spills and the main loop's instruction mix.
+"""The tensor-core experts' (and attention's) SASS on a machine without a GPU: registers, spills and the main loop's
+instruction mix.
 
 Compiles a gate_up (or down) kernel of numba_kernels/moe/experts_tc.py for sm_90 with Numba (no device needed),
 assembles it with ptxas and disassembles it with nvdisasm, then prints ptxas's register and spill line, the whole
@@ -8,9 +9,11 @@ HMMA is the figure to lower before spending device time on timing it; for the st
 without the share fold, which the loop runs only a few times a pass.
 
     python3 tools/experts_sass.py [--config 5,2,1,4,4] [--down] [--out DIR] [--tools DIR]
+    python3 tools/experts_sass.py --attention [--config STAGES,BLOCKS_PER_SM]
 
 --config: four numbers are a TcConfig (streaming), five to seven a StagedConfig (staged); default
-MANY_PAIRS_CONFIG. Needs ptxas (the CUDA toolkit) on PATH, and nvdisasm and libnvrtc, which pip can fetch without
+MANY_PAIRS_CONFIG. --attention: the batch-invariant tensor-core attention (attention/invariant_tc.py) instead, its
+TcAttentionConfig (default DEFAULT_CONFIG), prefix length on the device as a captured step has it. Needs ptxas (the CUDA toolkit) on PATH, and nvdisasm and libnvrtc, which pip can fetch without
 installing anything:
 
     pip download --no-deps -d /tmp/wheels nvidia-cuda-nvdisasm nvidia-cuda-nvrtc
@@ -44,17 +47,43 @@ def find_tools(root: Path | None) -> tuple[Path | None, Path | None]:
     return (Path(nvdisasm) if nvdisasm else None), nvrtc
 
 
-def compile_ptx(config_text: str | None, down: bool) -> tuple[str, str]:
-    """(PTX, a name) of the kernel, compiled for compute capability 9.0 without a device."""
+def _without_a_device():
+    """Make device functions that ask the current device for its compute capability get 9.0 without one."""
     import numba.cuda.api as cuda_api
     import numba.cuda.dispatcher as dispatcher
-    from numba import types
-    from numba.cuda import compile_ptx as numba_compile_ptx
 
-    class Hopper:  # device functions ask the current device for its compute capability: answer without one
+    class Hopper:
         compute_capability = (9, 0)
 
     cuda_api.get_current_device = dispatcher.get_current_device = lambda: Hopper()
+
+
+def compile_attention_ptx(config_text: str | None) -> tuple[str, str]:
+    """(PTX, a name) of the tensor-core attention kernel for one TcAttentionConfig, for compute capability 9.0."""
+    _without_a_device()
+    from numba import types
+    from numba.cuda import compile_ptx as numba_compile_ptx
+
+    from kdspec.numba_kernels.attention import invariant_tc
+    numbers = tuple(int(n) for n in config_text.split(",")) if config_text else ()
+    if len(numbers) > 2:
+        raise ValueError(f"--attention --config takes up to 2 numbers (stages, blocks_per_sm), got {config_text}")
+    config = invariant_tc.TcAttentionConfig(*numbers)
+    kernel = invariant_tc.invariant_tc_kernel(config, True)
+    f32 = types.Array(types.float32, 1, "C")
+    i32 = types.Array(types.int32, 1, "C")
+    signature = (types.Array(types.float32, 3, "C"), types.Array(types.float32, 3, "A"), f32, i32,
+                 types.Array(types.int32, 2, "C"), i32, types.float32, types.boolean, f32, f32, f32)
+    ptx, _ = numba_compile_ptx(kernel.py_func, signature, cc=(9, 0))
+    return ptx, f"attention_tc_{config.stages}_{config.blocks_per_sm}"
+
+
+def compile_ptx(config_text: str | None, down: bool) -> tuple[str, str]:
+    """(PTX, a name) of the kernel, compiled for compute capability 9.0 without a device."""
+    _without_a_device()
+    from numba import types
+    from numba.cuda import compile_ptx as numba_compile_ptx
+
     from kdspec.numba_kernels.moe import experts_tc as tc
     numbers = tuple(int(n) for n in config_text.split(",")) if config_text else None
     if numbers is None:
@@ -114,6 +143,8 @@ def main() -> int:
     parser.add_argument("--config", default=None,
                         help="TcConfig (4 numbers) or StagedConfig (5-7), comma-separated")
     parser.add_argument("--down", action="store_true", help="the down kernel (default: gate_up)")
+    parser.add_argument("--attention", action="store_true",
+                        help="the tensor-core attention kernel (--config: stages, blocks_per_sm)")
     parser.add_argument("--out", type=Path, default=None, help="write the PTX and SASS here")
     parser.add_argument("--tools", type=Path, default=None, help="extracted nvdisasm / nvrtc wheels (see above)")
     args = parser.parse_args()
@@ -127,7 +158,7 @@ def main() -> int:
         env = dict(os.environ, LD_LIBRARY_PATH=f"{nvrtc}:{os.environ.get('LD_LIBRARY_PATH', '')}")
         return subprocess.run([sys.executable, *sys.argv], env=env).returncode
     try:
-        ptx, name = compile_ptx(args.config, args.down)
+        ptx, name = compile_attention_ptx(args.config) if args.attention else compile_ptx(args.config, args.down)
     except ValueError as error:
         print(f"experts_sass: {error}", file=sys.stderr)
         return 2
@@ -154,7 +185,7 @@ def main() -> int:
           f"{sum(loop.values()) / max(1, loop['HMMA']):.1f} per HMMA (branches not taken included)")
     print("  " + ", ".join(f"{op} {count}" for op, count in loop.most_common(16)))
     path = mix(without_fold(main_loop(lines)))
-    if path != loop:
+    if path != loop and not args.attention:  # (the share fold is the staged experts')
         print(f"without the share fold: {sum(path.values())} instructions, "
               f"{sum(path.values()) / max(1, path['HMMA']):.1f} per HMMA")
     return 0

@@ -14,7 +14,8 @@ e experts, f moe_intermediate_size. Activations are float32; the cache is one ar
 Batch invariance (on by default with bf16 weights): every row of a forward gets the bits it would get in a
 forward of any other number of rows, so a tree-verify forward equals the 1-row AR forwards of each node's path
 bit for bit and DDTree's output is the engine's own AR output in bf16 too. The dense products run at one fixed
-row count (ops.TorchOps' fixed_rows), attention through attention/invariant.py (keys in compacted order);
+row count (ops.TorchOps' fixed_rows), attention through attention/invariant.py (keys in compacted order; with bf16
+weights its tensor-core form attention/invariant_tc.py, ``tensor_core_attention``: tf32 operands, fp32 sums);
 everything else is per row already (norms, RoPE, router). The routed experts of the batch-invariant bf16 model
 run on the tensor cores (``tensor_core_experts``, on by default there when d and f are multiples of 32:
 moe/experts_tc.py, bf16 activations as the dense products have; their launch shape follows the token count
@@ -38,6 +39,7 @@ from kdspec.engine.model.weights import SeededWeights, check_weights
 from kdspec.numba_kernels import embedding, kv_write, rmsnorm, rope
 from kdspec.numba_kernels.attention.common import causal_visibility, pack_visibility
 from kdspec.numba_kernels.attention.dispatch import mla_attention
+from kdspec.numba_kernels.attention import invariant_tc
 from kdspec.numba_kernels.attention.invariant import mla_attention_invariant, visible_keys
 from kdspec.numba_kernels.host_arrays import is_device_array
 from kdspec.numba_kernels.moe import experts as moe_experts
@@ -56,10 +58,12 @@ class DeviceModel:
     ``graphs``: on cuda, replay captured CUDA graphs of the layer stack (engine/cuda_graphs.py);
     ``batch_invariant``: see the module docstring (None: on with bf16 weights, off with fp32);
     ``tensor_core_experts``: the routed experts on the tensor cores (bf16 weights; d, f multiples of 32; None:
-    on for the batch-invariant bf16 model where d and f allow)."""
+    on for the batch-invariant bf16 model where d and f allow); ``tensor_core_attention``: the batch-invariant
+    attention on the tensor cores (bf16 weights, batch-invariant; c + r a multiple of 4; None: on where allowed)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str, weight_dtype: str = "float32",
-                 graphs: bool = True, batch_invariant: bool | None = None, tensor_core_experts: bool | None = None):
+                 graphs: bool = True, batch_invariant: bool | None = None, tensor_core_experts: bool | None = None,
+                 tensor_core_attention: bool | None = None):
         if backend not in ("cuda", "sim"):
             raise ValueError(f"device backend must be 'cuda' or 'sim', got {backend!r}")
         if weight_dtype not in ("float32", "bfloat16"):
@@ -76,6 +80,14 @@ class DeviceModel:
             tensor_core_experts = self.batch_invariant and weight_dtype == "bfloat16" and moe_experts_tc.supports(
                 cfg.hidden_size, cfg.moe_intermediate_size)
         self.tensor_core_experts = bool(tensor_core_experts)
+        attention_tc_allowed = self.batch_invariant and weight_dtype == "bfloat16" and invariant_tc.supports(
+            cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        if tensor_core_attention and not attention_tc_allowed:
+            raise ValueError(f"tensor_core_attention needs bf16 weights, batch invariance and kv_lora_rank + "
+                             f"qk_rope_head_dim a multiple of 4 (got {weight_dtype}, batch_invariant="
+                             f"{self.batch_invariant}, {cfg.kv_lora_rank} + {cfg.qk_rope_head_dim})")
+        self.tensor_core_attention = attention_tc_allowed if tensor_core_attention is None \
+            else bool(tensor_core_attention)
         self.ops = (SimOps(row_by_row=self.batch_invariant) if backend == "sim"
                     else TorchOps(weight_dtype, INVARIANT_ROWS if self.batch_invariant else None))
         self.max_cache_rows = cfg.max_position_embeddings
@@ -330,8 +342,10 @@ class DeviceModel:
         kv_write.write_kv_rows(kv, i, prefix, state[("kv_a", i)], self.layers[i]["kv_norm"], cfg.rms_norm_eps,
                                self.rope, state["positions"], stream=stream)
         if keys is not None:
-            mla_attention_invariant(state[("q_lat", i)], state[("q_pe", i)], kv[i], prefix, mask,
-                                    cfg.softmax_scale, keys=keys, out=state["o_lat"], stream=stream)
+            invariant = invariant_tc.mla_attention_invariant_tc if self.tensor_core_attention \
+                else mla_attention_invariant
+            invariant(state[("q_lat", i)], state[("q_pe", i)], kv[i], prefix, mask, cfg.softmax_scale, keys=keys,
+                      out=state["o_lat"], stream=stream)
         else:
             mla_attention(state[("q_lat", i)], state[("q_pe", i)], kv[i], prefix, mask, cfg.softmax_scale,
                           out=state["o_lat"], stream=stream)

@@ -269,6 +269,10 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
         key_begin = split * KEYS_PER_SPLIT
         key_end = min(prefix_len + key_counts[token], key_begin + KEYS_PER_SPLIT)
         n_chunks = (max(key_end - key_begin, 0) + CHUNK - 1) // CHUNK
+        if n_chunks == 0 and not direct:  # a split past the token's keys (block-uniform): -inf, merged away
+            if tid < HEAD_TILE and head0 + tid < heads:
+                lse_part[split * rows + token * heads + head0 + tid] = float32(-math.inf)
+            return
         score_lane = g * KEY_STRIDE + 8 * KSW * warp + 2 * tq  # (even) the lane's first key word in a stage
         value_lane = tq * KEY_STRIDE + 8 * warp + g  # its first V word
         part_lane = PART + (warp * HEAD_TILE + g) * ROW_STRIDE + 2 * tq  # its first partial score
