@@ -497,7 +497,12 @@ def precision(model) -> str:
     """How the engine's device model computes, in words (for the HF row's note)."""
     if model.weight_dtype != "bfloat16":
         return "fp32"
-    return "bf16 dense products, the rest fp32" + (", batch-invariant" if model.batch_invariant else "")
+    parts = ["bf16 dense products"]
+    if getattr(model, "tensor_core_experts", False):
+        parts.append("bf16 routed experts")
+    if getattr(model, "tensor_core_attention", False):
+        parts.append("tf32 attention")
+    return ", ".join(parts) + ", the rest fp32" + (", batch-invariant" if model.batch_invariant else "")
 
 
 def _hf_rows(cfg, tensors, prompt, new_tokens, ar, ar_rate, quick, engine_precision: str) -> list[dict]:

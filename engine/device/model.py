@@ -59,7 +59,8 @@ class DeviceModel:
     ``batch_invariant``: see the module docstring (None: on with bf16 weights, off with fp32);
     ``tensor_core_experts``: the routed experts on the tensor cores (bf16 weights; d, f multiples of 32; None:
     on for the batch-invariant bf16 model where d and f allow); ``tensor_core_attention``: the batch-invariant
-    attention on the tensor cores (bf16 weights, batch-invariant; c + r a multiple of 4; None: on where allowed)."""
+    attention on the tensor cores (bf16 weights, batch-invariant; c + r a multiple of 4; None: on where allowed,
+    on cuda)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str, weight_dtype: str = "float32",
                  graphs: bool = True, batch_invariant: bool | None = None, tensor_core_experts: bool | None = None,
@@ -86,7 +87,9 @@ class DeviceModel:
             raise ValueError(f"tensor_core_attention needs bf16 weights, batch invariance and kv_lora_rank + "
                              f"qk_rope_head_dim a multiple of 4 (got {weight_dtype}, batch_invariant="
                              f"{self.batch_invariant}, {cfg.kv_lora_rank} + {cfg.qk_rope_head_dim})")
-        self.tensor_core_attention = attention_tc_allowed if tensor_core_attention is None \
+        # (off by default under the simulator, whose mma model runs 5x slower than the fp32 kernel there; tests
+        # ask for it by name)
+        self.tensor_core_attention = attention_tc_allowed and backend == "cuda" if tensor_core_attention is None \
             else bool(tensor_core_attention)
         self.ops = (SimOps(row_by_row=self.batch_invariant) if backend == "sim"
                     else TorchOps(weight_dtype, INVARIANT_ROWS if self.batch_invariant else None))

@@ -103,6 +103,9 @@ def test_hf_row_says_how_the_engine_computes():
         "bf16 dense products, the rest fp32, batch-invariant"
     assert precision(SimpleNamespace(weight_dtype="bfloat16", batch_invariant=False)) == \
         "bf16 dense products, the rest fp32"
+    assert precision(SimpleNamespace(weight_dtype="bfloat16", batch_invariant=True, tensor_core_experts=True,
+                                     tensor_core_attention=True)) == \
+        "bf16 dense products, bf16 routed experts, tf32 attention, the rest fp32, batch-invariant"
 
 
 def test_ddtree_speed_targets_are_the_issues():

@@ -2,10 +2,11 @@
 the logits, bit for bit, of the 1-row AR forwards that decode its root -> node path one token at a time after
 the same prompt. This is what makes DDTree's output the engine's own AR output in bf16 (issue #19).
 
-Under the CUDA simulator on `tiny` and `small` (odd head count); on a GPU the same test runs for real, and the
-`gpu` case runs k2-mini (Kimi K2 per-layer dimensions, bf16 weights drawn on the GPU) with trees of 64, 256 and
-300 nodes (one, two and three of the dense products' fixed-size row chunks), with the routed experts on the
-SIMT kernels (the default) and on the tensor cores.
+Under the CUDA simulator on `tiny` and `small` (odd head count), and `tiny` with attention on the tensor cores
+(invariant_tc.py, the bf16 model's on a GPU); on a GPU the same tests run for real, and the `gpu` case runs
+k2-mini (Kimi K2 per-layer dimensions, bf16 weights drawn on the GPU) with trees of 64, 256 and 300 nodes (one,
+two and three of the dense products' fixed-size row chunks), with the routed experts on the SIMT kernels and on
+the tensor cores (attention on the tensor cores, the default there).
 """
 from __future__ import annotations
 
@@ -60,6 +61,16 @@ def test_tree_verify_equals_ar_steps_bit_for_bit(preset, device_backend):
     cfg = PRESETS[preset]
     model = DeviceModel(cfg, random_weights(cfg, 0), device_backend, weight_dtype="bfloat16")
     assert model.batch_invariant
+    assert model.tensor_core_attention == (device_backend == "cuda")  # invariant_tc.py on a GPU, invariant.py here
+    assert_tree_rows_equal_ar_steps(model, prompt_len=7, nodes=10, seed=1)
+
+
+@pytest.mark.sim
+def test_tree_verify_equals_ar_steps_with_tensor_core_attention(device_backend):
+    """attention/invariant_tc.py, as the bf16 model runs it on a GPU (asked for by name under the simulator)."""
+    cfg = PRESETS["tiny"]
+    model = DeviceModel(cfg, random_weights(cfg, 0), device_backend, weight_dtype="bfloat16",
+                        tensor_core_attention=True)
     assert_tree_rows_equal_ar_steps(model, prompt_len=7, nodes=10, seed=1)
 
 
@@ -69,6 +80,17 @@ def test_tree_verify_equals_ar_steps_with_tensor_core_experts(device_backend):
     cfg = dataclasses.replace(PRESETS["tiny"], moe_intermediate_size=32)
     model = DeviceModel(cfg, random_weights(cfg, 0), device_backend, weight_dtype="bfloat16", tensor_core_experts=True)
     assert_tree_rows_equal_ar_steps(model, prompt_len=5, nodes=6, seed=4)
+
+
+@pytest.mark.sim
+def test_tensor_core_attention_is_the_bf16_models_and_refused_elsewhere():
+    cfg = PRESETS["tiny"]
+    assert not DeviceModel(cfg, random_weights(cfg, 0), "sim").tensor_core_attention  # fp32: invariant.py, if any
+    with pytest.raises(ValueError, match="tensor_core_attention needs bf16 weights"):
+        DeviceModel(cfg, random_weights(cfg, 0), "sim", batch_invariant=True, tensor_core_attention=True)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        odd = dataclasses.replace(cfg, qk_rope_head_dim=2)  # c + r = 18: not 16-byte pieces
+        DeviceModel(odd, random_weights(odd, 0), "sim", weight_dtype="bfloat16", tensor_core_attention=True)
 
 
 @pytest.mark.sim
