@@ -28,6 +28,9 @@
 #                                          # and the k2-mini invariance test (WITH_FP32=1: and fp32 k2-mini == golden)
 #     bash tools/gpu_session.sh ar-kernels  # the small kernels of an AR step: the invariant attention's launch shapes
 #                                          # (sweep), the norms', router's and attention's GPU tests, then e2e-tests
+#     bash tools/gpu_session.sh attention-tc  # the tensor-core invariant attention: its GPU tests, the k2-mini
+#                                          # invariance test (its default there), the attention sweep (its launch
+#                                          # shapes and the fp32 kernel's side by side); WITH_E2E=1: e2e-tests
 #     bash tools/gpu_session.sh steps-profile  # bench e2e, then GPU time per kernel of AR and oracle B=7 / 63 / 255
 #     bash tools/gpu_session.sh many-pairs  # GPU time per kernel of the oracle B=255 step with each staged-experts
 #                                          # shape for many pairs, side by side (MANY_CONFIGS: "5,2,2,2,4 4,2,2,4,4")
@@ -42,7 +45,7 @@
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-groups="record-k2|ar-kernels|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|experts-against|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec"  # the one list of groups: usage and the unknown-group message
+groups="record-k2|ar-kernels|attention-tc|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|experts-against|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec"  # the one list of groups: usage and the unknown-group message
 group=${1:?usage: tools/gpu_session.sh $groups}
 case "|$groups|" in
 *"|$group|"*) ;;
@@ -193,6 +196,14 @@ ar-kernels)
         tests/kernels/test_attention_gpu.py::test_norms_at_hidden_size "tests/kernels/test_moe.py::test_router_matches_reference"
     grep -a -E "^[a-z0-9 ]+ +regs|^best|CHECKS|all checks|^FAILED" "$log" | cut -c1-170
     bash "$0" e2e-tests
+    ;;
+attention-tc)
+    step tc-attention-tests 150 python3 -m pytest -q -m gpu tests/kernels/test_attention_invariant.py -k tensor_core
+    step invariance-k2 120 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[True]"
+    step attention-shapes 240 python3 -W ignore -m tools.sweeps.attention_invariant
+    grep -a -E "^[a-z0-9 ]+ +regs|^best|^tensor cores|CHECKS|all checks|^[0-9]+ (passed|failed)|^FAILED" "$log" \
+        | cut -c1-170
+    [ -n "${WITH_E2E:-}" ] && bash "$0" e2e-tests
     ;;
 steps-profile)
     step bench-e2e 290 "${kdtree[@]}" bench e2e
