@@ -41,7 +41,7 @@ from kdspec.numba_kernels.attention.invariant import visible_keys
 from kdspec.numba_kernels.host_arrays import is_device_scalar
 from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.launch import launch
-from kdspec.numba_kernels.mma import (SIM_SCRATCH_PER_WARP, TF32_MASK, WARP, copy16, copy_commit, copy_wait,
+from kdspec.numba_kernels.mma import (MAX_SHARED_BYTES, SIM_SCRATCH_PER_WARP, TF32_MASK, WARP, copy16, copy_commit, copy_wait,
                                       float_bits, mma_tf32, opt_in_shared)
 from kdspec.numba_kernels.reductions import FULL_MASK
 from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function, row_blocks, scalar_reader, \
@@ -77,6 +77,14 @@ class TcAttentionConfig(NamedTuple):
     @property
     def shared_bytes(self) -> int:
         return 4 * self.shared_words
+
+    def check(self) -> None:
+        """ValueError naming the first broken rule."""
+        if self.stages < 1 or self.blocks_per_sm < 1:
+            raise ValueError(f"bad TcAttentionConfig {self}: stages and blocks_per_sm >= 1")
+        if self.shared_bytes > MAX_SHARED_BYTES:
+            raise ValueError(f"bad TcAttentionConfig {self}: {self.shared_bytes} bytes of shared memory a block, "
+                             f"more than the {MAX_SHARED_BYTES} an sm_90 block may have")
 
 
 DEFAULT_CONFIG = TcAttentionConfig()
@@ -370,8 +378,7 @@ def mla_attention_invariant_tc(q_lat, q_pe, cache_layer, prefix_len, visibility,
     of this visibility, computed here when None); ``config``: a launch shape (None: DEFAULT_CONFIG; any shape
     gives the same bits)."""
     config = DEFAULT_CONFIG if config is None else config
-    if config.stages < 1:
-        raise ValueError(f"bad TcAttentionConfig {config}: stages >= 1")
+    config.check()
     on_device = is_device_scalar(prefix_len, "prefix_len")
     q_lat, q_pe, cache_layer, visibility, out = checked_inputs(q_lat, q_pe, cache_layer, 0 if on_device else prefix_len,
                                                                visibility, out, stream, latent_limits=True,

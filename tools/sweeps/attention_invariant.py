@@ -63,7 +63,7 @@ else:
     TC_SHAPES = {
         "tc default s2 b1": invariant_tc.DEFAULT_CONFIG,
         "tc s1 b2": invariant_tc.TcAttentionConfig(stages=1, blocks_per_sm=2),
-        "tc s3 b1": invariant_tc.TcAttentionConfig(stages=3),
+        "tc s1 b1": invariant_tc.TcAttentionConfig(stages=1),
     }
     REPLAY_LAUNCHES = 20
 ALL_SHAPES = {**SHAPES, **TC_SHAPES}
