@@ -36,7 +36,7 @@ from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import device_address
 from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.launch import launcher_for, type_key
-from kdspec.numba_kernels.runtime import ON_SIMULATOR, SHARED_LIMIT, device_function, static_for
+from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, SHARED_LIMIT, device_function, static_for
 
 WARP = 32
 SIM_SCRATCH_PER_WARP = 16 * 8 + 8 * 8  # the A tile and the B tile of one mma
@@ -178,6 +178,13 @@ else:
 _DEVICE = dict(device=True) if ON_SIMULATOR else dict(device=True, forceinline=True)
 
 
+@device_function(**INLINE_DEVICE)
+def tf32_bits(x):
+    """Finite float32 x rounded to tf32, nearest with ties away (cvt.rna.tf32.f32's result), as uint32 bits (low 13
+    zero): add half a tf32 ulp, mask (2 instructions, where sm_90 emulates cvt.rna.tf32.f32 in four)."""
+    return (float_bits(x) + uint32(0x1000)) & uint32(TF32_MASK)
+
+
 @cuda.jit(**_DEVICE)
 def tf32_split(x):
     """(hi, lo) tf32 operand bits of finite float32 x: hi = tf32_rna(x), lo = tf32_rna(x - hi), both exact
@@ -187,8 +194,8 @@ def tf32_split(x):
     Integer rounding (add half a tf32 ulp, mask): 5 instructions for both halves, where sm_90 emulates each
     cvt.rna.tf32.f32 in four. Equal to cvt.rna for finite x below FLT_MAX's last tf32 ulp; inf / NaN in
     give NaN / NaN out (a NaN payload may change), which only NaN rows of the caller ever feed it."""
-    hi = (float_bits(x) + uint32(0x1000)) & uint32(TF32_MASK)
-    return hi, (float_bits(x - tf32_as_float(hi)) + uint32(0x1000)) & uint32(TF32_MASK)
+    hi = tf32_bits(x)
+    return hi, tf32_bits(x - tf32_as_float(hi))
 
 
 if ON_SIMULATOR:
