@@ -113,26 +113,27 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
     wait_for_chunk = copy_wait(STAGES - 1)  # at most the chunks after this one in flight
 
     @device_function(inline=True)
-    def warp_reduce(value, is_sum, reduce_s):
-        """Max (is_sum False) or sum of value over the warp, to every lane: the xor butterfly on a GPU, shared
-        memory on the simulator (every thread of the block calls it there)."""
+    def warp_reduce_rows(values, is_sum, reduce_s):
+        """values[j] = the max (is_sum False) or sum of values[j] over the warp, to every lane, for each of the
+        warp's ROWS_A_WARP softmax rows: the xor butterfly on a GPU, the rows' shuffles interleaved (independent
+        chains); shared memory on the simulator (every thread of the block calls it there)."""
         if ON_SIMULATOR:
             tid = cuda.threadIdx.x
             first = tid - tid % WARP
-            reduce_s[tid] = value
-            cuda.syncthreads()
-            result = reduce_s[first]
-            for k in range(1, WARP):
-                other = reduce_s[first + k]
-                result = result + other if is_sum else max(result, other)
-            cuda.syncthreads()
-            return result
-        offset = WARP // 2
-        while offset > 0:
-            other = cuda.shfl_xor_sync(FULL_MASK, value, offset)
-            value = value + other if is_sum else max(value, other)
-            offset //= 2
-        return value
+            for j in range(ROWS_A_WARP):
+                reduce_s[tid] = values[j]
+                cuda.syncthreads()
+                result = reduce_s[first]
+                for k in range(1, WARP):
+                    other = reduce_s[first + k]
+                    result = result + other if is_sum else max(result, other)
+                cuda.syncthreads()
+                values[j] = result
+            return
+        for step in range(5):  # offsets 16, 8, 4, 2, 1
+            for j in range(ROWS_A_WARP):
+                other = cuda.shfl_xor_sync(FULL_MASK, values[j], 16 >> step)
+                values[j] = values[j] + other if is_sum else max(values[j], other)
 
     @device_function(**INLINE_DEVICE)
     def load_q_step(i, args):
@@ -256,6 +257,9 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
         acc = cuda.local.array(ACC_REGS, float32)
         run_max = cuda.local.array(ROWS_A_WARP, float32)
         run_sum = cuda.local.array(ROWS_A_WARP, float32)
+        score_x = cuda.local.array(ROWS_A_WARP, float32)  # this chunk's: the lane's score of each row
+        reduced = cuda.local.array(ROWS_A_WARP, float32)  # the rows' warp max, then sum
+        alpha_x = cuda.local.array(ROWS_A_WARP, float32)  # each row's rescale factor
 
         tid = cuda.threadIdx.x
         lane, warp = tid % WARP, tid // WARP
@@ -314,24 +318,33 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
                     at_put(keys_f, part_lane + 8 * ROW_STRIDE * (e // 2) + 8 * n + e % 2, score[4 * n + e])
             cuda.syncthreads()  # partial scores stored
             # ---- online softmax: warp w owns rows w + WARPS j, lane = key
-            for j in range(ROWS_A_WARP):
+            live_key = lane < CHUNK and chunk_begin + lane < key_end
+            for j in range(ROWS_A_WARP):  # the scores: the warps' partial sums added in warp order
                 row = warp + WARPS * j
                 x = float32(-math.inf)
-                if lane < CHUNK and chunk_begin + lane < key_end:
+                if live_key:
                     total = at(keys_f, PART + row * ROW_STRIDE + lane)
                     for w in range(1, WARPS):
                         total += at(keys_f, PART + (w * HEAD_TILE + row) * ROW_STRIDE + lane)
                     x = total * scale
-                new_max = max(run_max[j], warp_reduce(x, False, reduce_s))
-                p = math.exp(x - new_max) if x != -math.inf else float32(0.0)
+                score_x[j] = x
+                reduced[j] = x
+            warp_reduce_rows(reduced, False, reduce_s)  # the chunk's max of each row
+            for j in range(ROWS_A_WARP):
+                new_max = max(run_max[j], reduced[j])
+                p = math.exp(score_x[j] - new_max) if score_x[j] != -math.inf else float32(0.0)
                 # nothing visible yet: alpha 1 (exp(-inf - -inf) would be NaN); 0 when the first keys arrive
-                alpha = math.exp(run_max[j] - new_max) if new_max != -math.inf else float32(1.0)
-                run_sum[j] = run_sum[j] * alpha + warp_reduce(p, True, reduce_s)
+                alpha_x[j] = math.exp(run_max[j] - new_max) if new_max != -math.inf else float32(1.0)
                 run_max[j] = new_max
+                reduced[j] = p
+                row = warp + WARPS * j
                 if lane < CHUNK:
                     at_put(words, P_WORDS + row * ROW_STRIDE + lane, tf32_bits(p))
                 if lane == 0:
-                    at_put(keys_f, STATS + row, alpha)
+                    at_put(keys_f, STATS + row, alpha_x[j])
+            warp_reduce_rows(reduced, True, reduce_s)  # the chunk's sum of each row's p
+            for j in range(ROWS_A_WARP):
+                run_sum[j] = run_sum[j] * alpha_x[j] + reduced[j]
             cuda.syncthreads()  # p and alpha stored
             # ---- values: acc = acc * alpha + p @ V (rows g, g + 8)
             rescale_tiles((acc, at(keys_f, STATS + g), at(keys_f, STATS + g + 8)))
