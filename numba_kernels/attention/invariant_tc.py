@@ -65,9 +65,11 @@ ROW_STRIDE = CHUNK + 4  # words a head row of the scores and of p in shared memo
 
 class TcAttentionConfig(NamedTuple):
     """A launch shape: stages, the chunks in flight (1: a block's copies wait for its products, 2: the next chunk
-    lands while this one computes; more shared memory a block). It does not change a row's bits."""
-    stages: int = 2
-    blocks_per_sm: int = 1
+    lands while this one computes; more shared memory a block), and blocks an SM (the register cap). It does not
+    change a row's bits. The default, one stage and two blocks an SM, was the fastest at s = 64 and 256 and level at
+    s = 1 and 8 (tools/sweeps/attention_invariant.py; BENCHMARKS.md)."""
+    stages: int = 1
+    blocks_per_sm: int = 2
 
     @property
     def shared_words(self) -> int:

@@ -228,8 +228,8 @@ def test_tensor_core_tree_rows_equal_their_ar_steps_bit_for_bit(tokens, heads, p
 
 @pytest.mark.sim
 def test_tensor_core_prefix_on_the_device_and_stages_give_the_same_bits():
-    """P read from an int32 [1] device array (the grid sized for the whole cache: empty splits), and one chunk in
-    flight instead of two: the bits of the default launch."""
+    """P read from an int32 [1] device array (the grid sized for the whole cache: empty splits), and two chunks in
+    flight instead of one: the bits of the default launch."""
     tokens, prefix = 4, TC_SPLIT + 9
     rng = np.random.default_rng(11)
     visible = random_tree_visibility(tokens, rng)
@@ -238,9 +238,9 @@ def test_tensor_core_prefix_on_the_device_and_stages_give_the_same_bits():
     assert np.isfinite(default).all()
     on_device = verify(q_lat, q_pe, cache, cuda.to_device(np.array([prefix], np.int32)), visible,
                        attention=tc_attention)
-    one_stage = verify(q_lat, q_pe, cache, prefix, visible, shape=invariant_tc.TcAttentionConfig(stages=1),
-                       attention=tc_attention)
-    for other in (on_device, one_stage):
+    two_stages = verify(q_lat, q_pe, cache, prefix, visible, shape=invariant_tc.TcAttentionConfig(stages=2),
+                        attention=tc_attention)
+    for other in (on_device, two_stages):
         assert np.array_equal(other.view(np.uint32), default.view(np.uint32))
 
 
@@ -273,7 +273,7 @@ def test_k2_dims_tensor_core_stages_give_a_row_the_same_bits(tokens, prefix):
     q_lat, q_pe, cache = inputs(rng, tokens, 64, 512, 64, prefix)
     default = verify(q_lat, q_pe, cache, prefix, visible, attention=tc_attention)
     assert np.isfinite(default).all()
-    for config in (invariant_tc.TcAttentionConfig(stages=1, blocks_per_sm=2),
-                   invariant_tc.TcAttentionConfig(stages=1)):
+    for config in (invariant_tc.TcAttentionConfig(stages=2, blocks_per_sm=1),
+                   invariant_tc.TcAttentionConfig(stages=1, blocks_per_sm=1)):
         other = verify(q_lat, q_pe, cache, prefix, visible, shape=config, attention=tc_attention)
         assert np.array_equal(other.view(np.uint32), default.view(np.uint32)), config

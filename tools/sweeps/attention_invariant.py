@@ -38,7 +38,7 @@ if ON_SIMULATOR:
     POINTS = [(5, 1), (3, 6)]
     SHAPES = {"default": D, "h1 vu1": D._replace(heads=1, value_unroll=1),
               "h4 t8": D._replace(heads=4, key_group=2, threads=8)}
-    TC_SHAPES = {"tc default": invariant_tc.DEFAULT_CONFIG, "tc stages1": invariant_tc.TcAttentionConfig(stages=1)}
+    TC_SHAPES = {"tc default": invariant_tc.DEFAULT_CONFIG, "tc stages2": invariant_tc.TcAttentionConfig(stages=2)}
     REPLAY_LAUNCHES = 1
 else:
     HEADS, LATENT, ROPE = 64, 512, 64
@@ -61,9 +61,9 @@ else:
         "h16 kg2 vu4": D._replace(heads=16, key_group=2),
     }
     TC_SHAPES = {
-        "tc default s2 b1": invariant_tc.DEFAULT_CONFIG,
-        "tc s1 b2": invariant_tc.TcAttentionConfig(stages=1, blocks_per_sm=2),
-        "tc s1 b1": invariant_tc.TcAttentionConfig(stages=1),
+        "tc default s1 b2": invariant_tc.DEFAULT_CONFIG,
+        "tc s2 b1": invariant_tc.TcAttentionConfig(stages=2, blocks_per_sm=1),
+        "tc s1 b1": invariant_tc.TcAttentionConfig(stages=1, blocks_per_sm=1),
     }
     REPLAY_LAUNCHES = 20
 ALL_SHAPES = {**SHAPES, **TC_SHAPES}
