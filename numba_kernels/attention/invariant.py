@@ -128,6 +128,17 @@ def invariant_config(heads: int, tokens: int = 1, prefix_on_device: bool = False
                           prefix_on_device=prefix_on_device)
 
 
+def invariant_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility, out, stream):
+    """The batch-invariant kernels' argument checks (common.checked_inputs with a contiguous cache), prefix_len an
+    int or an int32 [1] device array: (on_device, total_keys, the checked (q_lat, q_pe, cache_layer, visibility,
+    out)); total_keys is the key rows a launch may read (the whole cache when the prefix length is on the device)."""
+    on_device = is_device_scalar(prefix_len, "prefix_len")
+    checked = checked_inputs(q_lat, q_pe, cache_layer, 0 if on_device else prefix_len, visibility, out, stream,
+                             latent_limits=True, contiguous_cache=True)
+    total_keys = checked[2].shape[0] if on_device else prefix_len + checked[0].shape[0]
+    return on_device, total_keys, checked
+
+
 def mla_attention_invariant(q_lat, q_pe, cache_layer, prefix_len, visibility, scale: float, keys=None,
                             out=None, stream=0, shape: DecodeConfig | None = None):
     """o_lat float32 [s, h, c] (device), batch-invariant (module docstring). Arguments as
@@ -135,16 +146,13 @@ def mla_attention_invariant(q_lat, q_pe, cache_layer, prefix_len, visibility, sc
     caller vouches that P + s rows fit the cache); ``keys``: the VisibleKeys of this visibility (visible_keys),
     computed here when None (a forward computes it once for all its layers); ``shape``: a launch shape for
     invariant_config (None: the one for this many tokens; any shape gives the same bits)."""
-    on_device = is_device_scalar(prefix_len, "prefix_len")
-    q_lat, q_pe, cache_layer, visibility, out = checked_inputs(q_lat, q_pe, cache_layer, 0 if on_device else prefix_len,
-                                                               visibility, out, stream, latent_limits=True,
-                                                               contiguous_cache=True)
+    on_device, total_keys, (q_lat, q_pe, cache_layer, visibility, out) = invariant_inputs(
+        q_lat, q_pe, cache_layer, prefix_len, visibility, out, stream)
     tokens, heads, latent = q_lat.shape
     if tokens * heads == 0 or latent == 0:
         return out
     if keys is None:
         keys = visible_keys(visibility, tokens, stream=stream)
-    total_keys = cache_layer.shape[0] if on_device else prefix_len + tokens
     config = invariant_config(heads, tokens, on_device, shape)
     return launch_decode(config, q_lat, q_pe, cache_layer, prefix_len, visibility, keys.rows, keys.counts, scale,
                          KEYS_PER_SPLIT, total_keys, out, stream)

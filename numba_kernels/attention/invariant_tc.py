@@ -35,10 +35,8 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from kdspec.numba_kernels import kernel_cache
-from kdspec.numba_kernels.attention.common import MAX_LATENT, MAX_WIDTH, MERGE_THREADS, checked_inputs, \
-    merge_splits_kernel
-from kdspec.numba_kernels.attention.invariant import visible_keys
-from kdspec.numba_kernels.host_arrays import is_device_scalar
+from kdspec.numba_kernels.attention.common import MAX_LATENT, MAX_WIDTH, MERGE_THREADS, merge_splits_kernel
+from kdspec.numba_kernels.attention.invariant import invariant_inputs, visible_keys
 from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.launch import launch
 from kdspec.numba_kernels.mma import (MAX_SHARED_BYTES, SIM_SCRATCH_PER_WARP, WARP, copy16, copy_commit, copy_wait,
@@ -388,10 +386,8 @@ def mla_attention_invariant_tc(q_lat, q_pe, cache_layer, prefix_len, visibility,
     gives the same bits)."""
     config = DEFAULT_CONFIG if config is None else config
     config.check()
-    on_device = is_device_scalar(prefix_len, "prefix_len")
-    q_lat, q_pe, cache_layer, visibility, out = checked_inputs(q_lat, q_pe, cache_layer, 0 if on_device else prefix_len,
-                                                               visibility, out, stream, latent_limits=True,
-                                                               contiguous_cache=True)
+    on_device, total_keys, (q_lat, q_pe, cache_layer, visibility, out) = invariant_inputs(
+        q_lat, q_pe, cache_layer, prefix_len, visibility, out, stream)
     tokens, heads, latent = q_lat.shape
     if tokens * heads == 0 or latent == 0:
         return out
@@ -400,7 +396,6 @@ def mla_attention_invariant_tc(q_lat, q_pe, cache_layer, prefix_len, visibility,
                          "pieces (c + r a multiple of 4)")
     if keys is None:
         keys = visible_keys(visibility, tokens, stream=stream)
-    total_keys = cache_layer.shape[0] if on_device else prefix_len + tokens
     splits = -(-total_keys // KEYS_PER_SPLIT)
     kernel = invariant_tc_kernel(config, on_device)
     grid = (tokens * -(-heads // HEAD_TILE), splits)
