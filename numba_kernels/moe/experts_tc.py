@@ -285,6 +285,20 @@ def _zero(o, acc):
     acc[o] = float32(0.0)
 
 
+@device_function(**INLINE_DEVICE)
+def expert_passes(expert_offsets, expert, tokens_per_pass):
+    """The passes of tokens_per_pass pairs that an expert's sorted pairs take (an active expert has at least one)."""
+    return (expert_offsets[expert + 1] - expert_offsets[expert] + tokens_per_pass - 1) // tokens_per_pass
+
+
+def work_items(config, max_active: int, n_pairs: int) -> int:
+    """Grid rows (y) of a launch: a streaming block loops over the active experts, a staged block over work items,
+    one pass each, at most one partial pass an active expert plus n_pairs // tokens_per_pass whole ones."""
+    if isinstance(config, StagedConfig):
+        return max_active + n_pairs // config.tokens_per_pass
+    return max_active
+
+
 @functools.lru_cache(maxsize=None)
 def store_functions(weight_tiles: int, token_tiles: int):
     """(store_act_all, store_down_all) for a warp's weight_tiles x token_tiles C fragments, accumulator 4 (n
@@ -506,7 +520,8 @@ def staged_kernels(config: StagedConfig):
     accumulators and adds share q's sum into the total after share q - 1's, the order in which tc_kernels adds
     its warps' partial sums; a share padded past K skips its chunks there, as the streaming warps do. The launcher
     runs a config whose chunks_per_stage does not divide K's chunks and the share as one chunk a stage (stage_fits),
-    so that a stage is all in one share and all inside K or all past it."""
+    so that a stage is all in one share and all inside K or all past it. A block runs one pass a work item (grid y,
+work_items): the passes of an expert with many pairs are blocks of their own, side by side."""
     token_tiles, weight_tiles, stages = config.token_tiles, config.weight_tiles, config.stages
     warps_w, threads, per_stage = config.warps_w, config.threads, config.chunks_per_stage
     staged_tiles, tokens_per_pass = config.staged_tiles, config.tokens_per_pass
@@ -598,7 +613,7 @@ def staged_kernels(config: StagedConfig):
                    out):
             """Arguments and output as tc_kernels' kernels (n_chunks and the share whole stages: stage_fits);
             grid (ceil(f / rows_per_block(True)) (gate_up) or ceil(d / rows_per_block(False)) (down),
-            row_blocks(max active)); config.threads threads."""
+            row_blocks(work_items(...))); config.threads threads."""
             slots = cuda.shared.array(0, uint64, alignment=STAGE_ALIGNMENT)  # [stages, slot_words], dynamic
             scratch = cuda.shared.array(scratch_size, float32)
             acc = cuda.local.array(acc_size, float32)
@@ -629,10 +644,22 @@ def staged_kernels(config: StagedConfig):
             k_stages = int32(n_chunks // per_stage)
             share = int32((n_chunks + K_SPLIT - 1) // K_SPLIT // per_stage)  # stages a share
             n_stages = int32(share * K_SPLIT)
-            active = cuda.blockIdx.y
-            while active < n_active[0]:  # block-uniform: the block syncs
+            # one pass a work item, items in expert order (expert_passes): the passes of an expert with many pairs
+            # run side by side in blocks of their own, reading its weights from L2 the second time, not one after
+            # the other in one block (one block's four passes made the launch's tail, and restreamed the weights)
+            item = cuda.blockIdx.y
+            active, items_before, actives = 0, 0, n_active[0]
+            while True:  # block-uniform: the block syncs
+                while active < actives:  # advance to the expert whose passes hold this item
+                    passes = expert_passes(expert_offsets, active_experts[active], tokens_per_pass)
+                    if item < items_before + passes:
+                        break
+                    items_before += passes
+                    active += 1
+                if active >= actives:
+                    break
                 expert = active_experts[active]
-                begin = expert_offsets[expert]
+                base = expert_offsets[expert] + (item - items_before) * tokens_per_pass
                 end = expert_offsets[expert + 1]
                 for i in range(weight_copies):
                     piece = cuda.threadIdx.x + i * threads
@@ -647,50 +674,49 @@ def staged_kernels(config: StagedConfig):
                     weight_at[i] = int32(2 * piece) if valid and piece < tile_pieces * staged_tiles else int32(-1)
                     weight_from[i] = ((int64(expert) * w_tiles + source) * n_chunks * TILE_WORDS
                                       + 2 * (piece % tile_pieces))
-                for base in range(begin, end, tokens_per_pass):
-                    for i in range(token_copies):
-                        piece = cuda.threadIdx.x + i * threads
-                        pair = base + piece // token_pieces
-                        token_at[i] = int32(-1)
-                        token_from[i] = 0
-                        if pair < end and piece < token_pieces * tokens_per_pass:
-                            token_at[i] = int32(weight_words + 2 * piece)
-                            token_from[i] = ((sorted_pairs[pair] // k if gate_up else pair) * token_words
-                                             + 2 * (piece % token_pieces))
-                    has_tokens = base + first_token < end
-                    for stage in range(stages - 1):  # prologue: stages - 1 stages in flight
-                        if stage < k_stages:
-                            copy_stage(slots, stage, int32(stage), w, weight_at, weight_from, tokens, token_at,
-                                       token_from)
-                        copy_commit()  # (an empty group keeps the count uniform)
-                    zero_all(acc)
-                    slot, fill_slot, share_left, first_share = int32(0), int32(stages - 1), int32(share), True
-                    stage = int32(0)
-                    while stage < n_stages:
-                        wait_for_stage()
-                        cuda.syncthreads()  # every thread's copies landed; the slot refilled next is read
-                        if int32(stage + stages - 1) < k_stages:  # (numba widens int32 sums to int64)
-                            copy_stage(slots, fill_slot, int32(stage + stages - 1), w, weight_at, weight_from,
-                                       tokens, token_at, token_from)
-                        copy_commit()
-                        fill_slot = int32(0) if fill_slot == stages - 1 else int32(fill_slot + 1)
-                        # a share padded past K skips its stages there, as the streaming warps do; a warp past the
-                        # pass's pairs skips them all (warp-uniform; the simulator's mma syncs the block)
-                        if stage < k_stages and (ON_SIMULATOR or has_tokens):
-                            stage_products((slots, int32(slot * slot_words), tile_at, token_lane_at, acc, a, b,
-                                            scratch))
-                        slot = int32(0) if slot == stages - 1 else int32(slot + 1)
-                        share_left = int32(share_left - 1)
-                        if share_left == 0:
-                            fold_all((acc, total, first_share))
-                            first_share, share_left = False, int32(share)
-                        stage = int32(stage + 1)
-                    if gate_up:
-                        store_act_all((total, out, base + first_token, end, warp_column, f))
-                    else:
-                        store_down_all((total, out, sorted_pairs, base + first_token, end, warp_column))
-                    cuda.syncthreads()  # the next pass's prologue refills the slots
-                active += cuda.gridDim.y
+                for i in range(token_copies):
+                    piece = cuda.threadIdx.x + i * threads
+                    pair = base + piece // token_pieces
+                    token_at[i] = int32(-1)
+                    token_from[i] = 0
+                    if pair < end and piece < token_pieces * tokens_per_pass:
+                        token_at[i] = int32(weight_words + 2 * piece)
+                        token_from[i] = ((sorted_pairs[pair] // k if gate_up else pair) * token_words
+                                         + 2 * (piece % token_pieces))
+                has_tokens = base + first_token < end
+                for stage in range(stages - 1):  # prologue: stages - 1 stages in flight
+                    if stage < k_stages:
+                        copy_stage(slots, stage, int32(stage), w, weight_at, weight_from, tokens, token_at,
+                                   token_from)
+                    copy_commit()  # (an empty group keeps the count uniform)
+                zero_all(acc)
+                slot, fill_slot, share_left, first_share = int32(0), int32(stages - 1), int32(share), True
+                stage = int32(0)
+                while stage < n_stages:
+                    wait_for_stage()
+                    cuda.syncthreads()  # every thread's copies landed; the slot refilled next is read
+                    if int32(stage + stages - 1) < k_stages:  # (numba widens int32 sums to int64)
+                        copy_stage(slots, fill_slot, int32(stage + stages - 1), w, weight_at, weight_from,
+                                   tokens, token_at, token_from)
+                    copy_commit()
+                    fill_slot = int32(0) if fill_slot == stages - 1 else int32(fill_slot + 1)
+                    # a share padded past K skips its stages there, as the streaming warps do; a warp past the
+                    # pass's pairs skips them all (warp-uniform; the simulator's mma syncs the block)
+                    if stage < k_stages and (ON_SIMULATOR or has_tokens):
+                        stage_products((slots, int32(slot * slot_words), tile_at, token_lane_at, acc, a, b,
+                                        scratch))
+                    slot = int32(0) if slot == stages - 1 else int32(slot + 1)
+                    share_left = int32(share_left - 1)
+                    if share_left == 0:
+                        fold_all((acc, total, first_share))
+                        first_share, share_left = False, int32(share)
+                    stage = int32(stage + 1)
+                if gate_up:
+                    store_act_all((total, out, base + first_token, end, warp_column, f))
+                else:
+                    store_down_all((total, out, sorted_pairs, base + first_token, end, warp_column))
+                cuda.syncthreads()  # the next pass's prologue refills the slots
+                item += cuda.gridDim.y
         return kernel
 
     return make_kernel(True), make_kernel(False)
@@ -724,10 +750,12 @@ def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, 
     gate_up_config, down_config = (_staged_fit(config, d // CHUNK), _staged_fit(config, f // CHUNK))
     gate_up_tc, down_tc = gate_up_config.kernels()[0], down_config.kernels()[1]
     act_bits = act.view(np.uint16)  # [P, 2f]: bf16 act in the first f columns
-    _launch(gate_up_config, gate_up_tc, -(-f // config.rows_per_block(True)), max_active, stream,
+    _launch(gate_up_config, gate_up_tc, -(-f // config.rows_per_block(True)), work_items(config, max_active, n_pairs),
+            stream,
             x_bits.view(np.uint64).reshape(1, s, d // 4), _flat_words(gate_view), 2 * f // TILE_ROWS, d // CHUNK, f, k,
             plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, act_bits)
-    _launch(down_config, down_tc, -(-d // config.rows_per_block(False)), max_active, stream,
+    _launch(down_config, down_tc, -(-d // config.rows_per_block(False)), work_items(config, max_active, n_pairs),
+            stream,
             act.view(np.uint64).reshape(1, n_pairs, f // 2), _flat_words(down_view), d // TILE_ROWS, f // CHUNK, 0, 1,
             plan.expert_offsets, plan.sorted_pairs, plan.active_experts, plan.n_active, pair_out)
 
@@ -747,9 +775,9 @@ def _flat_words(view):
     return words.reshape(words.size)
 
 
-def _launch(config, kernel, row_blocks_x: int, max_active: int, stream, *args) -> None:
-    """kernel over (row_blocks_x, row_blocks(max_active)) blocks of config.threads, with a staged config's dynamic
+def _launch(config, kernel, row_blocks_x: int, items: int, stream, *args) -> None:
+    """kernel over (row_blocks_x, row_blocks(items)) blocks of config.threads, with a staged config's dynamic
     shared memory (above 48 KB the compiled kernel must opt in first: opt_in_shared)."""
     shared = config.shared_bytes if isinstance(config, StagedConfig) else 0
     opt_in_shared(kernel, args, shared)
-    kernel[(row_blocks_x, row_blocks(max_active)), config.threads, stream, shared](*args)
+    kernel[(row_blocks_x, row_blocks(items)), config.threads, stream, shared](*args)
