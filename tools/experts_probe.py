@@ -5,7 +5,8 @@ set. With --time "warps_t,warps_w,token_tiles,weight_tiles,stages;..." [--tokens
 kernels alone (grouped_swiglu_tc, CUDA events) at each token count for each StagedConfig, after
 MANY_PAIRS_CONFIG, and whether each gives FEW_PAIRS_CONFIG's bits; with --against OLD.py (a copy of an earlier
 experts_tc.py, whose kernels read the weights in their natural layout), that module's MANY_PAIRS_CONFIG in the same
-process, side by side, and whether it gives the same bits."""
+process, side by side, and whether it gives the same bits; with --skew SIGMA, routing skewed as a trained or random
+router's is (routing: uniform at 0, k2-mini-like at 2.5) instead of uniform."""
 import os, sys
 import numpy as np
 import torch
@@ -33,11 +34,23 @@ def load_against(path):
     return module
 
 
-def time_configs(configs, token_counts, against=None) -> None:
+def routing(s: int, skew: float) -> np.ndarray:
+    """Expert ids int32 [s, K]: each token's top K of (bias + Gumbel noise), bias ~ skew * N(0, 1) an expert (seed
+    0): skew 0 is uniform; at s = 256 skew 2.5 leaves about 27 of the 32 experts active with the busiest few taking
+    200+ pairs, as k2-mini's router does at B=255 (27.3 active a layer)."""
+    bias = skew * np.random.default_rng(0).standard_normal(E)
+    return np.argsort(-(bias + rng.gumbel(size=(s, E))), 1)[:, :K].astype(np.int32)
+
+
+def time_configs(configs, token_counts, against=None, skew=0.0) -> None:
     from kdspec.engine.bench.common import time_gpu
     natural_views = tuple(moe.weight_view(cuda.as_cuda_array(t), name) for t, name in zip(natural, ("g", "d")))
     for s in token_counts:
-        s_ids = cuda.to_device(np.argsort(rng.random((s, E)), 1)[:, :K].astype(np.int32))
+        expert_ids = routing(s, skew)
+        counts = np.bincount(expert_ids.ravel(), minlength=E)
+        print(f"s={s:4d} routing skew {skew}: {(counts > 0).sum()} experts active, pairs an expert max {counts.max()}, "
+              f"busiest {sorted(counts)[::-1][:8]}", flush=True)
+        s_ids = cuda.to_device(expert_ids)
         s_x = cuda.to_device(rng.standard_normal((s, D)).astype(np.float32))
         plan = moe.plan_pairs(s_ids, E)
         views = (moe.weight_view(cuda.as_cuda_array(gate_up), "w_gate_up"),
@@ -59,8 +72,10 @@ def time_configs(configs, token_counts, against=None) -> None:
         if against is not None:
             old = against.MANY_PAIRS_CONFIG
 
+            old_views = views if hasattr(against, "fragment_layout") else natural_views  # the layout it reads
+
             def run_old():
-                against.grouped_swiglu_tc(s_x, K, plan, *natural_views, act, pair_out, config=old)
+                against.grouped_swiglu_tc(s_x, K, plan, *old_views, act, pair_out, config=old)
             pair_out.copy_to_device(np.full((s * K, D), np.nan, np.float32))
             run_old()
             same = np.array_equal(pair_out.copy_to_host().view(np.uint32), want.view(np.uint32))
@@ -73,8 +88,9 @@ if "--time" in sys.argv:
     spec = sys.argv[sys.argv.index("--time") + 1]
     tokens = sys.argv[sys.argv.index("--tokens") + 1] if "--tokens" in sys.argv else "64,128,256"
     against = load_against(sys.argv[sys.argv.index("--against") + 1]) if "--against" in sys.argv else None
+    skew = float(sys.argv[sys.argv.index("--skew") + 1]) if "--skew" in sys.argv else 0.0
     time_configs([config] + [tc.StagedConfig(*map(int, c.split(","))) for c in spec.split(";") if c],
-                 [int(t) for t in tokens.split(",")], against)
+                 [int(t) for t in tokens.split(",")], against, skew)
     sys.exit(0)
 for _ in range(3):
     moe.moe_experts(x, ids, w, gate_up, down, tensor_cores=True, config=config)
