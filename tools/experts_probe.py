@@ -30,6 +30,7 @@ def load_against(path):
     import importlib.util
     spec = importlib.util.spec_from_file_location("experts_tc_against", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -62,18 +63,19 @@ def time_configs(configs, token_counts, against=None, skew=0.0) -> None:
             tc.grouped_swiglu_tc(s_x, K, plan, *views, act, pair_out, config=c)
         run(tc.FEW_PAIRS_CONFIG)
         want = pair_out.copy_to_host()
-        for c in configs:
+        chosen = tc.tc_config_for(s * K, E)  # the launcher's choice at this s
+        for c in configs + ([chosen] if chosen not in configs else []):
             pair_out.copy_to_device(np.full((s * K, D), np.nan, np.float32))
             run(c)
             same = np.array_equal(pair_out.copy_to_host().view(np.uint32), want.view(np.uint32))
             ms = 1e3 * time_gpu(lambda: run(c), 2, 10)
             print(f"s={s:4d} {tuple(c.__dict__.values())} {ms:7.3f} ms  bits {'same' if same else 'DIFFER'}",
                   flush=True)
-        if against is not None:
-            old = against.MANY_PAIRS_CONFIG
-
-            old_views = views if hasattr(against, "fragment_layout") else natural_views  # the layout it reads
-
+        if against is None:
+            continue
+        old_views = views if hasattr(against, "fragment_layout") else natural_views  # the layout it reads
+        old_chosen = against.tc_config_for(s * K, E)
+        for old in [against.MANY_PAIRS_CONFIG] + ([old_chosen] if old_chosen != against.MANY_PAIRS_CONFIG else []):
             def run_old():
                 against.grouped_swiglu_tc(s_x, K, plan, *old_views, act, pair_out, config=old)
             pair_out.copy_to_device(np.full((s * K, D), np.nan, np.float32))

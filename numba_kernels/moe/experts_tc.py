@@ -25,8 +25,8 @@ chunks) are loaded while this one's mma run, and every token tile's B fragments 
 Up to n_tiles token tiles share each weight load (a pass); tiles past the expert's pairs are skipped, and an expert
 with more pairs takes several passes. The staged kernels (StagedConfig, staged_kernels) copy a block's weight
 tiles and its pass's tokens into shared memory by cp.async, so a block's warps share each load, and one warp walks
-all of K for its tiles (many pairs an expert). Their lanes load the same fragments from shared memory as the
-streaming lanes do from global memory.
+all of K for its tiles (many pairs an expert); each pass is a block of its own. Their lanes load the same fragments
+from shared memory as the streaming lanes do from global memory.
 tc_config_for picks by the mean number of pairs per active expert: FEW_PAIRS_CONFIG (streaming, one tile) up to
 FEW_PAIRS, MID_PAIRS_CONFIG (streaming, three tiles) up to MID_PAIRS, MORE_PAIRS_CONFIG (streaming, four tiles) up
 to MORE_PAIRS, else MANY_PAIRS_CONFIG (staged) (figures: BENCHMARKS.md; sweep: python3 -m tools.sweeps.moe
@@ -103,6 +103,10 @@ class TcConfig:
     @property
     def threads(self) -> int:
         return self.k_split * WARP
+
+    @property
+    def tokens_per_pass(self) -> int:
+        return 8 * self.n_tiles
 
     def rows_per_block(self, gate_up: bool) -> int:
         """Intermediate rows (gate_up: their gate and up rows) or output rows (down) a block computes."""
@@ -286,16 +290,46 @@ def _zero(o, acc):
 
 
 @device_function(**INLINE_DEVICE)
-def expert_passes(expert_offsets, expert, tokens_per_pass):
-    """The passes of tokens_per_pass pairs that an expert's sorted pairs take (an active expert has at least one)."""
-    return (expert_offsets[expert + 1] - expert_offsets[expert] + tokens_per_pass - 1) // tokens_per_pass
+def locate_item(item, actives, expert_offsets, active_experts, tokens_per_pass, passes, found):
+    """The staged kernels' work item ``item``: (its expert's index among the actives, the items of the experts
+    before it), or (actives, all items) past the last. A work item is one pass of tokens_per_pass of an expert's
+    sorted pairs, items in active-expert order, so that a launch's blocks (grid y, work_items) run an expert's
+    passes side by side, not one after another in one block. The block's threads read the experts' pair counts
+    side by side (a serial scan's dependent loads would cost a block microseconds) into ``passes`` (int32 shared,
+    one a thread), thread 0 sums them into ``found`` (int32 shared [2]). Every thread calls it (it syncs)."""
+    tid = cuda.threadIdx.x
+    width = cuda.blockDim.x
+    first = 0
+    items_before = 0
+    while first < actives:  # block-uniform
+        if first + tid < actives:
+            expert = active_experts[first + tid]
+            passes[tid] = (expert_offsets[expert + 1] - expert_offsets[expert] + tokens_per_pass - 1) // tokens_per_pass
+        cuda.syncthreads()  # every count in passes
+        if tid == 0:
+            hit, before, j = -1, items_before, 0
+            while j < min(width, actives - first):
+                if item < before + passes[j]:
+                    hit = j
+                    break
+                before += passes[j]
+                j += 1
+            found[0], found[1] = hit, before
+        cuda.syncthreads()  # found written
+        hit, items_before = found[0], found[1]
+        cuda.syncthreads()  # found and passes read before the next round (or the next item) writes them
+        if hit >= 0:
+            return first + hit, items_before
+        first += width
+    return actives, items_before
 
 
 def work_items(config, max_active: int, n_pairs: int) -> int:
-    """Grid rows (y) of a launch: a streaming block loops over the active experts, a staged block over work items,
-    one pass each, at most one partial pass an active expert plus n_pairs // tokens_per_pass whole ones."""
+    """Grid rows (y) of a launch: a streaming block loops over the active experts; a staged launch has at most
+    one row a work item (locate_item): each of n active experts has a pair, so its ceil(p / T) passes are at most
+    1 + (p - 1) // T; summed, n + (n_pairs - n) // T, which grows with n."""
     if isinstance(config, StagedConfig):
-        return max_active + n_pairs // config.tokens_per_pass
+        return max_active + (n_pairs - max_active) // config.tokens_per_pass
     return max_active
 
 
@@ -456,7 +490,7 @@ def tc_kernels(config: TcConfig):
     pass_rows = static_for(n_tiles, device_function(**INLINE_DEVICE)(pass_row))
 
     store_act_all, store_down_all = store_functions(2, n_tiles)
-    tokens_per_pass = 8 * n_tiles
+    tokens_per_pass = config.tokens_per_pass
 
     def make_kernel(gate_up: bool):
         """gate_up (act = silu(gate) * up, 16 intermediate rows a block) or down (pair_out, 32 output rows a
@@ -521,7 +555,7 @@ def staged_kernels(config: StagedConfig):
     its warps' partial sums; a share padded past K skips its chunks there, as the streaming warps do. The launcher
     runs a config whose chunks_per_stage does not divide K's chunks and the share as one chunk a stage (stage_fits),
     so that a stage is all in one share and all inside K or all past it. A block runs one pass a work item (grid y,
-work_items): the passes of an expert with many pairs are blocks of their own, side by side."""
+    work_items, locate_item): the passes of an expert with many pairs are blocks of their own, side by side."""
     token_tiles, weight_tiles, stages = config.token_tiles, config.weight_tiles, config.stages
     warps_w, threads, per_stage = config.warps_w, config.threads, config.chunks_per_stage
     staged_tiles, tokens_per_pass = config.staged_tiles, config.tokens_per_pass
@@ -616,6 +650,8 @@ work_items): the passes of an expert with many pairs are blocks of their own, si
             row_blocks(work_items(...))); config.threads threads."""
             slots = cuda.shared.array(0, uint64, alignment=STAGE_ALIGNMENT)  # [stages, slot_words], dynamic
             scratch = cuda.shared.array(scratch_size, float32)
+            item_passes = cuda.shared.array(threads, int32)
+            item_found = cuda.shared.array(2, int32)
             acc = cuda.local.array(acc_size, float32)
             total = cuda.local.array(acc_size, float32)
             a = cuda.local.array(a_words, uint32)
@@ -644,18 +680,13 @@ work_items): the passes of an expert with many pairs are blocks of their own, si
             k_stages = int32(n_chunks // per_stage)
             share = int32((n_chunks + K_SPLIT - 1) // K_SPLIT // per_stage)  # stages a share
             n_stages = int32(share * K_SPLIT)
-            # one pass a work item, items in expert order (expert_passes): the passes of an expert with many pairs
-            # run side by side in blocks of their own, reading its weights from L2 the second time, not one after
-            # the other in one block (one block's four passes made the launch's tail, and restreamed the weights)
+            # one pass a work item (locate_item): the passes of an expert with many pairs run side by side in blocks
+            # of their own, not one after another in one block (the launch's tail; the weights read again)
             item = cuda.blockIdx.y
-            active, items_before, actives = 0, 0, n_active[0]
+            actives = n_active[0]
             while True:  # block-uniform: the block syncs
-                while active < actives:  # advance to the expert whose passes hold this item
-                    passes = expert_passes(expert_offsets, active_experts[active], tokens_per_pass)
-                    if item < items_before + passes:
-                        break
-                    items_before += passes
-                    active += 1
+                active, items_before = locate_item(item, actives, expert_offsets, active_experts, tokens_per_pass,
+                                                   item_passes, item_found)
                 if active >= actives:
                     break
                 expert = active_experts[active]
