@@ -3,10 +3,10 @@ Nsight Compute (tools/gpu_session.sh ncu-experts); with --sass, the staged gate_
 (numba-cuda's inspect_sass: needs nvdisasm on PATH), the whole SASS written to $OUT/staged_gate_up.sass when OUT is
 set. With --time "warps_t,warps_w,token_tiles,weight_tiles,stages;..." [--tokens 64,128,256]: the tensor-core
 kernels alone (grouped_swiglu_tc, CUDA events) at each token count for each StagedConfig, after
-MANY_PAIRS_CONFIG, and whether each gives FEW_PAIRS_CONFIG's bits; with --against OLD.py (a copy of an earlier
-experts_tc.py, whose kernels read the weights in their natural layout), that module's MANY_PAIRS_CONFIG in the same
-process, side by side, and whether it gives the same bits; with --skew SIGMA, routing skewed as a trained or random
-router's is (routing: uniform at 0, k2-mini-like at 2.5) instead of uniform."""
+MANY_PAIRS_CONFIG and the launcher's choice at that count, and whether each gives FEW_PAIRS_CONFIG's bits; with
+--against OLD.py (a copy of an earlier experts_tc.py, in fragment layout or, older, natural layout), that module's
+MANY_PAIRS_CONFIG and its choice in the same process, side by side, and whether they give the same bits; with
+--skew SIGMA, routing skewed as a trained or random router's is (routing: uniform at 0, k2-mini-like at 2.5)."""
 import os, sys
 import numpy as np
 import torch

@@ -133,10 +133,11 @@ def invariant_inputs(q_lat, q_pe, cache_layer, prefix_len, visibility, out, stre
     int or an int32 [1] device array: (on_device, total_keys, the checked (q_lat, q_pe, cache_layer, visibility,
     out)); total_keys is the key rows a launch may read (the whole cache when the prefix length is on the device)."""
     on_device = is_device_scalar(prefix_len, "prefix_len")
-    checked = checked_inputs(q_lat, q_pe, cache_layer, 0 if on_device else prefix_len, visibility, out, stream,
-                             latent_limits=True, contiguous_cache=True)
-    total_keys = checked[2].shape[0] if on_device else prefix_len + checked[0].shape[0]
-    return on_device, total_keys, checked
+    q_lat, q_pe, cache_layer, visibility, out = checked_inputs(q_lat, q_pe, cache_layer, 0 if on_device else prefix_len,
+                                                               visibility, out, stream, latent_limits=True,
+                                                               contiguous_cache=True)
+    total_keys = cache_layer.shape[0] if on_device else prefix_len + q_lat.shape[0]
+    return on_device, total_keys, (q_lat, q_pe, cache_layer, visibility, out)
 
 
 def mla_attention_invariant(q_lat, q_pe, cache_layer, prefix_len, visibility, scale: float, keys=None,
