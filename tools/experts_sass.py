@@ -9,7 +9,7 @@ HMMA is the figure to lower before spending device time on timing it; for the st
 without the share fold, which the loop runs only a few times a pass.
 
     python3 tools/experts_sass.py [--config 5,2,1,4,4] [--down] [--out DIR] [--tools DIR]
-    python3 tools/experts_sass.py --attention [--config STAGES,BLOCKS_PER_SM]
+    python3 tools/experts_sass.py --attention [--config STAGES,BLOCKS_PER_SM,KEY_GROUPS]
 
 --config: four numbers are a TcConfig (streaming), five to seven a StagedConfig (staged); default
 MANY_PAIRS_CONFIG. --attention: the batch-invariant tensor-core attention (attention/invariant_tc.py) instead, its
@@ -66,8 +66,9 @@ def compile_attention_ptx(config_text: str | None) -> tuple[str, str]:
 
     from kdspec.numba_kernels.attention import invariant_tc
     numbers = tuple(int(n) for n in config_text.split(",")) if config_text else ()
-    if len(numbers) > 2:
-        raise ValueError(f"--attention --config takes up to 2 numbers (stages, blocks_per_sm), got {config_text}")
+    if len(numbers) > len(invariant_tc.TcAttentionConfig._fields):
+        raise ValueError(f"--attention --config takes up to {len(invariant_tc.TcAttentionConfig._fields)} numbers "
+                         f"({', '.join(invariant_tc.TcAttentionConfig._fields)}), got {config_text}")
     config = invariant_tc.TcAttentionConfig(*numbers)
     kernel = invariant_tc.invariant_tc_kernel(config, True)
     f32 = types.Array(types.float32, 1, "C")
@@ -75,7 +76,7 @@ def compile_attention_ptx(config_text: str | None) -> tuple[str, str]:
     signature = (types.Array(types.float32, 3, "C"), types.Array(types.float32, 3, "A"), f32, i32,
                  types.Array(types.int32, 2, "C"), i32, types.float32, types.boolean, f32, f32, f32)
     ptx, _ = numba_compile_ptx(kernel.py_func, signature, cc=(9, 0))
-    return ptx, f"attention_tc_{config.stages}_{config.blocks_per_sm}"
+    return ptx, "attention_tc_" + "_".join(map(str, config))
 
 
 def compile_ptx(config_text: str | None, down: bool) -> tuple[str, str]:

@@ -4,18 +4,21 @@ products as m16n8k8 tf32 mma instead of fp32 FMA, for the bf16 model (issue #19:
 keys x 1088 products a token bound the verify at large budgets).
 
 A block owns one query token, a head tile of 16 heads (mma rows; heads past h are zero rows, never written) and
-one key range (split) of KEYS_PER_SPLIT compacted keys, which it walks in chunks of CHUNK keys:
+one key range (split) of KEYS_PER_SPLIT compacted keys, which it walks in chunks of CHUNK keys. Its warps number
+W = WARPS * key_groups (a launch shape field): warp w has score share q = w % WARPS and key group w // WARPS.
   copy:   the chunk's key rows [CHUNK, c + r] go to shared memory by cp.async as they are (fp32 bits; the mma reads
           them as tf32), STAGES chunks in flight; keys past the token's count are zero-filled;
-  scores: warp w sums the products of its own WARPS-th of the K dimensions (k-steps w * KSW .. w * KSW + KSW - 1,
-          its q fragments in registers, rounded to tf32 once) for every key of the chunk, accumulating inside the
-          mma; the WARPS partial sums of a score are added in warp order (through shared memory);
-  softmax: an online softmax over the chunk's keys (lane = key; warp max and sum); p rounded to tf32;
-  values: warp w owns the latent columns of n-tiles w, w + WARPS, ...: acc = acc * alpha + p @ V, the chunk's
-          k-steps accumulated inside the mma in key order.
+  scores: warp w sums the products of share q's WARPS-th of the K dimensions (k-steps q * KSW .. q * KSW + KSW - 1,
+          its q fragments in registers, rounded to tf32 once) for its key group's 1 / key_groups of the chunk's
+          keys, accumulating inside the mma; the WARPS partial sums of a score are added in share order (through
+          shared memory);
+  softmax: an online softmax over the chunk's keys (warp w owns rows w, w + W, ...; lane = key; warp max and sum);
+          p rounded to tf32;
+  values: warp w owns the latent columns of n-tiles w, w + W, ...: acc = acc * alpha + p @ V, the chunk's k-steps
+          accumulated inside the mma in key order.
 A row's arithmetic is therefore fixed by WARPS, CHUNK and KEYS_PER_SPLIT (and the mma's own sum): which blocks run,
-how many tokens share the launch and STAGES (when the copies land) do not change a bit of it, so s = 1 and s = 257
-give a token the same output. Within an mma k-step lane (g, tq) holds dimensions 2 tq, 2 tq + 1 of the k-step's 8
+how many tokens share the launch, which warp computes a score's share or a value column (key_groups) and STAGES
+(when the copies land) do not change a bit of it, so s = 1 and s = 257 give a token the same output. Within an mma k-step lane (g, tq) holds dimensions 2 tq, 2 tq + 1 of the k-step's 8
 (logical k tq and tq + 4), in q and keys alike: one 8-byte shared load is a lane's whole key fragment.
 Shared memory: key rows at a stride of KEY_STRIDE words (= 8 mod 32: a warp's fragment loads hit distinct banks
 in both products).
@@ -46,16 +49,14 @@ from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_fun
     static_for
 
 # The row arithmetic (module docstring): changing any of these changes a row's bits.
-WARPS = 2 if ON_SIMULATOR else 4  # the score's K dimensions in WARPS shares (one a warp), added in warp order
+WARPS = 2 if ON_SIMULATOR else 4  # the score's K dimensions in WARPS shares, added in share order
 CHUNK = 16 if ON_SIMULATOR else 32  # keys a chunk: the online softmax's rescaling points (<= 32: lane = key)
 KEYS_PER_SPLIT = 2 * CHUNK if ON_SIMULATOR else 16 * CHUNK  # keys a split (512: bench e2e's B=255 cache in one)
 HEAD_TILE = 16  # heads a block (the mma's rows)
-THREADS = WARPS * WARP
 K_STEPS = -(-MAX_WIDTH // 8)  # the score's k-steps (8 dimensions each), at most
-KSW = -(-K_STEPS // WARPS)  # score k-steps a warp (its share)
+KSW = -(-K_STEPS // WARPS)  # score k-steps a share
 K_DIMS = 8 * KSW * WARPS  # dimensions the score products cover (zeros past c + r)
 NT_KEYS = CHUNK // 8  # the score's n-tiles: 8 keys each
-NT_VALUE = -(-MAX_LATENT // (8 * WARPS))  # the value's n-tiles a warp (8 latent columns each)
 KEY_STRIDE = 32 * -(-MAX_WIDTH // 32) + 8  # words a key row in shared memory (= 8 mod 32)
 SHARED_ALIGNMENT = None if ON_SIMULATOR else 16  # cp.async's 16-byte copies (the simulator takes no alignment)
 ROW_STRIDE = CHUNK + 4  # words a head row of the scores and of p in shared memory (= 4 mod 32 on a GPU)
@@ -63,11 +64,21 @@ ROW_STRIDE = CHUNK + 4  # words a head row of the scores and of p in shared memo
 
 class TcAttentionConfig(NamedTuple):
     """A launch shape: stages, the chunks in flight (1: a block's copies wait for its products, 2: the next chunk
-    lands while this one computes; more shared memory a block), and blocks an SM (the register cap). It does not
-    change a row's bits. The default, one stage and two blocks an SM, was the fastest at s = 64 and 256 and level at
-    s = 1 and 8 (tools/sweeps/attention_invariant.py; BENCHMARKS.md)."""
+    lands while this one computes; more shared memory a block), blocks an SM (the register cap) and key groups (the
+    warps a score share: 2 halves each warp's work a chunk, for the few blocks of an AR step). It does not change a
+    row's bits. The default, one stage, two blocks an SM and one key group, was the fastest at s = 64 and 256 and
+    level at s = 1 and 8 (tools/sweeps/attention_invariant.py; BENCHMARKS.md)."""
     stages: int = 1
     blocks_per_sm: int = 2
+    key_groups: int = 1
+
+    @property
+    def warps(self) -> int:
+        return WARPS * self.key_groups
+
+    @property
+    def threads(self) -> int:
+        return self.warps * WARP
 
     @property
     def shared_words(self) -> int:
@@ -82,11 +93,15 @@ class TcAttentionConfig(NamedTuple):
         """ValueError naming the first broken rule."""
         if self.stages < 1 or self.blocks_per_sm < 1:
             raise ValueError(f"bad TcAttentionConfig {self}: stages and blocks_per_sm >= 1")
+        if self.key_groups not in KEY_GROUPS:
+            raise ValueError(f"bad TcAttentionConfig {self}: key_groups one of {KEY_GROUPS} (whole n-tiles of a "
+                             f"chunk's keys and whole softmax rows a warp)")
         if self.shared_bytes > MAX_SHARED_BYTES:
             raise ValueError(f"bad TcAttentionConfig {self}: {self.shared_bytes} bytes of shared memory a block, "
                              f"more than the {MAX_SHARED_BYTES} an sm_90 block may have")
 
 
+KEY_GROUPS = tuple(n for n in (1, 2, 4) if NT_KEYS % n == 0 and HEAD_TILE % (WARPS * n) == 0)
 DEFAULT_CONFIG = TcAttentionConfig()
 
 
@@ -104,10 +119,13 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
     PART = STAGES * STAGE_WORDS  # partial scores [WARPS, HEAD_TILE, ROW_STRIDE] (float32)
     P_WORDS = PART + WARPS * HEAD_TILE * ROW_STRIDE  # p [HEAD_TILE, ROW_STRIDE] (tf32 bits)
     STATS = P_WORDS + HEAD_TILE * ROW_STRIDE  # alpha, running max, running sum [HEAD_TILE] each (float32)
-    ROWS_A_WARP = HEAD_TILE // WARPS  # softmax rows a warp
-    SCRATCH = WARPS * SIM_SCRATCH_PER_WARP if ON_SIMULATOR else 1
+    ALL_WARPS, THREADS = config.warps, config.threads
+    ROWS_A_WARP = HEAD_TILE // ALL_WARPS  # softmax rows a warp
+    NT_GROUP = NT_KEYS // config.key_groups  # the score's n-tiles a warp (its key group's)
+    NT_VALUE = -(-MAX_LATENT // (8 * ALL_WARPS))  # the value's n-tiles a warp (8 latent columns each)
+    SCRATCH = ALL_WARPS * SIM_SCRATCH_PER_WARP if ON_SIMULATOR else 1
     REDUCE = THREADS if ON_SIMULATOR else 1
-    Q_REGS, SCORE_REGS, ACC_REGS = 4 * KSW, 4 * NT_KEYS, 4 * NT_VALUE  # register arrays: plain constants
+    Q_REGS, SCORE_REGS, ACC_REGS = 4 * KSW, 4 * NT_GROUP, 4 * NT_VALUE  # register arrays: plain constants
     compile_options = {} if ON_SIMULATOR else dict(launch_bounds=(THREADS, config.blocks_per_sm))
     read_prefix = scalar_reader(prefix_on_device)
     wait_for_chunk = copy_wait(STAGES - 1)  # at most the chunks after this one in flight
@@ -137,11 +155,12 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
 
     @device_function(**INLINE_DEVICE)
     def load_q_step(i, args):
-        """q_frag[4 i ..] = the tf32 A fragment of this warp's k-step i (rows g, g + 8; dimensions 2 tq, 2 tq + 1)."""
-        q_lat, q_pe, token, head0, warp, g, tq, q_frag = args
+        """q_frag[4 i ..] = the tf32 A fragment of this warp's share's k-step i (rows g, g + 8; dimensions 2 tq,
+        2 tq + 1)."""
+        q_lat, q_pe, token, head0, share, g, tq, q_frag = args
         heads, latent = q_lat.shape[1], q_lat.shape[2]
         width = latent + q_pe.shape[2]
-        d = 8 * (warp * KSW + i) + 2 * tq
+        d = 8 * (share * KSW + i) + 2 * tq
         for half in range(2):
             head = head0 + g + 8 * half
             for u in range(2):
@@ -154,11 +173,11 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
 
     @device_function(**INLINE_DEVICE)
     def score_step(i, args):
-        """score[n] += this warp's k-step i for the chunk's NT_KEYS key tiles (i a constant: q_frag stays in
-        registers). key_pairs: the lane's first key pair of the stage (key g, dimensions 2 tq, 2 tq + 1 of the
-        warp's first k-step), in 8-byte words."""
+        """score[n] += this warp's share's k-step i for its key group's NT_GROUP key tiles (i a constant: q_frag
+        stays in registers). key_pairs: the lane's first key pair of the stage (key g of the group's first tile,
+        dimensions 2 tq, 2 tq + 1 of the share's first k-step), in 8-byte words."""
         keys64, key_pairs, q_frag, score, scratch = args
-        for n in range(NT_KEYS):
+        for n in range(NT_GROUP):
             pair = at(keys64, key_pairs + 4 * n * KEY_STRIDE + 4 * i)  # (constants: an immediate offset)
             score[4 * n], score[4 * n + 1], score[4 * n + 2], score[4 * n + 3] = mma_tf32(
                 q_frag[4 * i], q_frag[4 * i + 1], q_frag[4 * i + 2], q_frag[4 * i + 3],
@@ -169,13 +188,13 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
 
     @device_function(**INLINE_DEVICE)
     def value_tile(j, args):
-        """acc tile j (latent columns 8 (j WARPS + warp) ..: past c they are rope or pad columns, computed and never
+        """acc tile j (latent columns 8 (j W + warp) ..: past c they are rope or pad columns, computed and never
         written) += p @ V over the chunk's k-step whose first V word for this lane is ``values`` (key tq, column g
         of the warp's first tile)."""
         words, values, p_frag, acc, scratch = args
         acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma_tf32(
             p_frag[0], p_frag[1], p_frag[2], p_frag[3],
-            at(words, values + 8 * WARPS * j), at(words, values + 4 * KEY_STRIDE + 8 * WARPS * j),
+            at(words, values + 8 * ALL_WARPS * j), at(words, values + 4 * KEY_STRIDE + 8 * ALL_WARPS * j),
             acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3], scratch)
 
     value_tiles = static_for(NT_VALUE, value_tile)
@@ -214,19 +233,19 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
 
     @device_function(**INLINE_DEVICE)
     def store_tile(j, args):
-        """target[first + 8 WARPS j + u] = acc tile j's (row, column 2 tq + u) * inv for the lane's columns below c
+        """target[first + 8 W j + u] = acc tile j's (row, column 2 tq + u) * inv for the lane's columns below c
         (``left``: c minus the lane's first column)."""
         target, first, acc, row, inv, left = args
         for u in range(2):
-            if 8 * WARPS * j + u < left:
-                target[first + 8 * WARPS * j + u] = acc[4 * j + row + u] * inv
+            if 8 * ALL_WARPS * j + u < left:
+                target[first + 8 * ALL_WARPS * j + u] = acc[4 * j + row + u] * inv
 
     store_tiles = static_for(NT_VALUE, store_tile)
 
     @device_function(**INLINE_DEVICE)
     def copy_chunk(keys_f, stage, cache, chunk_begin, key_end, prefix_len, token, key_rows, width, warp, lane):
         """Issue the cp.async copies of the chunk's key rows into stage (zero rows past key_end)."""
-        for slot in range(warp, CHUNK, WARPS):
+        for slot in range(warp, CHUNK, ALL_WARPS):
             key = chunk_begin + slot
             row = key
             if key >= key_end:
@@ -242,7 +261,7 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
                                lse_part):
         """q_lat float32 [s, h, c]; q_pe float32 [s, h, r]; cache float32 flat [t * (c + r)] (rows < P + s read);
         prefix_arg: P (prefix_on_device: int32 [1] holding P); key_rows int32 [s, >= s], key_counts int32 [s]
-        (invariant.visible_keys); scale float32. Grid (s * ceil(h / HEAD_TILE), splits), THREADS threads,
+        (invariant.visible_keys); scale float32. Grid (s * ceil(h / HEAD_TILE), splits), config.threads threads,
         config.shared_bytes of dynamic shared memory. direct: write out (flat [s*h*c]); else o_part (flat
         [splits*s*h*c], normalised; rows seeing nothing in the split not written) and lse_part (flat
         [splits*s*h]: -inf where the row sees nothing in the split)."""
@@ -263,6 +282,7 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
 
         tid = cuda.threadIdx.x
         lane, warp = tid % WARP, tid // WARP
+        share, key_group = warp % WARPS, warp // WARPS
         g, tq = lane >> 2, lane & 3
         tokens, heads, latent = q_lat.shape[0], q_lat.shape[1], q_lat.shape[2]
         width = latent + q_pe.shape[2]
@@ -279,16 +299,17 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
             if tid < HEAD_TILE and head0 + tid < heads:
                 lse_part[split * rows + token * heads + head0 + tid] = float32(-math.inf)
             return
-        score_lane = g * KEY_STRIDE + 8 * KSW * warp + 2 * tq  # (even) the lane's first key word in a stage
+        first_key = 8 * NT_GROUP * key_group  # the key group's first key of a chunk
+        score_lane = (first_key + g) * KEY_STRIDE + 8 * KSW * share + 2 * tq  # (even) its first key word in a stage
         value_lane = tq * KEY_STRIDE + 8 * warp + g  # its first V word
-        part_lane = PART + (warp * HEAD_TILE + g) * ROW_STRIDE + 2 * tq  # its first partial score
+        part_lane = PART + (share * HEAD_TILE + g) * ROW_STRIDE + first_key + 2 * tq  # its first partial score
 
         # dimensions past c + r up to the warps' whole k-steps: zeros, never copied over (the products of q's zeros
         # with them must be 0, not NaN)
         for e in range(tid, STAGES * CHUNK, THREADS):
             for d in range(width, K_DIMS):
                 at_put(words, e * KEY_STRIDE + d, uint32(0))
-        load_q((q_lat, q_pe, token, head0, warp, g, tq, q_frag))
+        load_q((q_lat, q_pe, token, head0, share, g, tq, q_frag))
         zero_tiles((acc,))
         for j in range(ROWS_A_WARP):
             run_max[j] = -math.inf
@@ -309,18 +330,18 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
             cuda.syncthreads()  # everyone's landed
             stage = (chunk % STAGES) * STAGE_WORDS
             chunk_begin = key_begin + chunk * CHUNK
-            # ---- scores: this warp's K share for all the chunk's keys
-            for e in range(4 * NT_KEYS):
+            # ---- scores: this warp's K share for its key group's keys
+            for e in range(4 * NT_GROUP):
                 score[e] = float32(0.0)
             score_steps((keys64, (stage + score_lane) >> 1, q_frag, score, scratch))
-            for n in range(NT_KEYS):  # c0 (g, 2tq), c1 (g, 2tq + 1), c2 (g + 8, 2tq), c3 (g + 8, 2tq + 1)
+            for n in range(NT_GROUP):  # c0 (g, 2tq), c1 (g, 2tq + 1), c2 (g + 8, 2tq), c3 (g + 8, 2tq + 1)
                 for e in range(4):
                     at_put(keys_f, part_lane + 8 * ROW_STRIDE * (e // 2) + 8 * n + e % 2, score[4 * n + e])
             cuda.syncthreads()  # partial scores stored
-            # ---- online softmax: warp w owns rows w + WARPS j, lane = key
+            # ---- online softmax: warp w owns rows w + W j, lane = key
             live_key = lane < CHUNK and chunk_begin + lane < key_end
-            for j in range(ROWS_A_WARP):  # the scores: the warps' partial sums added in warp order
-                row = warp + WARPS * j
+            for j in range(ROWS_A_WARP):  # the scores: the shares' partial sums added in share order
+                row = warp + ALL_WARPS * j
                 x = float32(-math.inf)
                 if live_key:
                     total = at(keys_f, PART + row * ROW_STRIDE + lane)
@@ -337,7 +358,7 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
                 alpha_x[j] = math.exp(run_max[j] - new_max) if new_max != -math.inf else float32(1.0)
                 run_max[j] = new_max
                 reduced[j] = p
-                row = warp + WARPS * j
+                row = warp + ALL_WARPS * j
                 if lane < CHUNK:
                     at_put(words, P_WORDS + row * ROW_STRIDE + lane, tf32_bits(p))
                 if lane == 0:
@@ -354,8 +375,8 @@ def invariant_tc_kernel(config: TcAttentionConfig = DEFAULT_CONFIG, prefix_on_de
         # ---- write-out: the softmax owners publish max / sum, each warp divides its columns
         for j in range(ROWS_A_WARP):
             if lane == 0:
-                at_put(keys_f, STATS + HEAD_TILE + warp + WARPS * j, run_max[j])
-                at_put(keys_f, STATS + 2 * HEAD_TILE + warp + WARPS * j, run_sum[j])
+                at_put(keys_f, STATS + HEAD_TILE + warp + ALL_WARPS * j, run_max[j])
+                at_put(keys_f, STATS + 2 * HEAD_TILE + warp + ALL_WARPS * j, run_sum[j])
         cuda.syncthreads()
         for half in range(2):
             head = head0 + g + 8 * half
@@ -410,7 +431,7 @@ def mla_attention_invariant_tc(q_lat, q_pe, cache_layer, prefix_len, visibility,
         args = (q_lat, q_pe, cache_flat, prefix_len, keys.rows, keys.counts, np.float32(scale), False, flat_out,
                 o_part.reshape(o_part.size), lse_part.reshape(lse_part.size))
     opt_in_shared(kernel, args, config.shared_bytes)
-    launch(kernel, grid, THREADS, stream, *args, shared_bytes=config.shared_bytes)
+    launch(kernel, grid, config.threads, stream, *args, shared_bytes=config.shared_bytes)
     if splits > 1:
         launch(merge_splits_kernel, row_blocks(tokens * heads), MERGE_THREADS, stream, o_part, lse_part, splits, out)
     return out

@@ -227,9 +227,9 @@ def test_tensor_core_tree_rows_equal_their_ar_steps_bit_for_bit(tokens, heads, p
 
 
 @pytest.mark.sim
-def test_tensor_core_prefix_on_the_device_and_stages_give_the_same_bits():
-    """P read from an int32 [1] device array (the grid sized for the whole cache: empty splits), and two chunks in
-    flight instead of one: the bits of the default launch."""
+def test_tensor_core_prefix_on_the_device_stages_and_key_groups_give_the_same_bits():
+    """P read from an int32 [1] device array (the grid sized for the whole cache: empty splits), two chunks in
+    flight instead of one, and two warps a score share: the bits of the default launch."""
     tokens, prefix = 4, TC_SPLIT + 9
     rng = np.random.default_rng(11)
     visible = random_tree_visibility(tokens, rng)
@@ -240,7 +240,9 @@ def test_tensor_core_prefix_on_the_device_and_stages_give_the_same_bits():
                        attention=tc_attention)
     two_stages = verify(q_lat, q_pe, cache, prefix, visible, shape=invariant_tc.TcAttentionConfig(stages=2),
                         attention=tc_attention)
-    for other in (on_device, two_stages):
+    key_groups = verify(q_lat, q_pe, cache, prefix, visible, shape=invariant_tc.TcAttentionConfig(key_groups=2),
+                        attention=tc_attention)
+    for other in (on_device, two_stages, key_groups):
         assert np.array_equal(other.view(np.uint32), default.view(np.uint32))
 
 
@@ -252,8 +254,9 @@ def test_tensor_core_attention_refuses_rows_it_cannot_copy():
         verify(q_lat, q_pe, cache, 3, np.eye(2, dtype=bool), attention=tc_attention)
     assert not invariant_tc.supports(13, 2) and invariant_tc.supports(16, 4)
     q_lat, q_pe, cache = inputs(rng, 2, 2, 16, 4, 3)
-    for config in (invariant_tc.TcAttentionConfig(stages=0), invariant_tc.TcAttentionConfig(stages=100)):
-        with pytest.raises(ValueError, match="bad TcAttentionConfig"):  # no chunk in flight; past 227 KB
+    for config in (invariant_tc.TcAttentionConfig(stages=0), invariant_tc.TcAttentionConfig(stages=100),
+                   invariant_tc.TcAttentionConfig(key_groups=3)):
+        with pytest.raises(ValueError, match="bad TcAttentionConfig"):  # no chunk in flight; past 227 KB; 3 groups
             verify(q_lat, q_pe, cache, 3, np.eye(2, dtype=bool), shape=config, attention=tc_attention)
 
 
@@ -274,6 +277,8 @@ def test_k2_dims_tensor_core_stages_give_a_row_the_same_bits(tokens, prefix):
     default = verify(q_lat, q_pe, cache, prefix, visible, attention=tc_attention)
     assert np.isfinite(default).all()
     for config in (invariant_tc.TcAttentionConfig(stages=2, blocks_per_sm=1),
-                   invariant_tc.TcAttentionConfig(stages=1, blocks_per_sm=1)):
+                   invariant_tc.TcAttentionConfig(stages=1, blocks_per_sm=1),
+                   invariant_tc.TcAttentionConfig(stages=1, blocks_per_sm=1, key_groups=2),
+                   invariant_tc.TcAttentionConfig(stages=2, blocks_per_sm=1, key_groups=4)):
         other = verify(q_lat, q_pe, cache, prefix, visible, shape=config, attention=tc_attention)
         assert np.array_equal(other.view(np.uint32), default.view(np.uint32)), config

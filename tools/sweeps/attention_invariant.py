@@ -38,7 +38,8 @@ if ON_SIMULATOR:
     POINTS = [(5, 1), (3, 6)]
     SHAPES = {"default": D, "h1 vu1": D._replace(heads=1, value_unroll=1),
               "h4 t8": D._replace(heads=4, key_group=2, threads=8)}
-    TC_SHAPES = {"tc default": invariant_tc.DEFAULT_CONFIG, "tc stages2": invariant_tc.TcAttentionConfig(stages=2)}
+    TC_SHAPES = {"tc default": invariant_tc.DEFAULT_CONFIG, "tc stages2": invariant_tc.TcAttentionConfig(stages=2),
+                 "tc kg2": invariant_tc.TcAttentionConfig(key_groups=2)}
     REPLAY_LAUNCHES = 1
 else:
     HEADS, LATENT, ROPE = 64, 512, 64
@@ -64,6 +65,9 @@ else:
         "tc default s1 b2": invariant_tc.DEFAULT_CONFIG,
         "tc s2 b1": invariant_tc.TcAttentionConfig(stages=2, blocks_per_sm=1),
         "tc s1 b1": invariant_tc.TcAttentionConfig(stages=1, blocks_per_sm=1),
+        "tc s1 b1 kg2": invariant_tc.TcAttentionConfig(stages=1, blocks_per_sm=1, key_groups=2),
+        "tc s2 b1 kg2": invariant_tc.TcAttentionConfig(stages=2, blocks_per_sm=1, key_groups=2),
+        "tc s1 b1 kg4": invariant_tc.TcAttentionConfig(stages=1, blocks_per_sm=1, key_groups=4),
     }
     REPLAY_LAUNCHES = 20
 ALL_SHAPES = {**SHAPES, **TC_SHAPES}
