@@ -103,6 +103,15 @@ class TcAttentionConfig(NamedTuple):
 
 KEY_GROUPS = tuple(n for n in (1, 2, 4) if NT_KEYS % n == 0 and HEAD_TILE % (WARPS * n) == 0)
 DEFAULT_CONFIG = TcAttentionConfig()
+# An AR step or a small tree has a few blocks (16 heads each), each walking its chunks one after another: two warps
+# a score share halve a warp's work a chunk (at s = 64 and 256 the default is faster; BENCHMARKS.md)
+FEW_TOKENS = 8
+FEW_TOKENS_CONFIG = TcAttentionConfig(stages=1, blocks_per_sm=1, key_groups=2)
+
+
+def config_for(tokens: int) -> TcAttentionConfig:
+    """The launch shape for a launch of ``tokens`` query tokens (any shape gives a row the same bits)."""
+    return FEW_TOKENS_CONFIG if tokens <= FEW_TOKENS else DEFAULT_CONFIG
 
 
 def supports(latent: int, rope: int) -> bool:
@@ -403,9 +412,9 @@ def mla_attention_invariant_tc(q_lat, q_pe, cache_layer, prefix_len, visibility,
                                stream=0, config: TcAttentionConfig | None = None):
     """o_lat float32 [s, h, c] (device), batch-invariant on the tensor cores (module docstring). Arguments as
     invariant.mla_attention_invariant (prefix_len an int or an int32 [1] device array; ``keys``: the VisibleKeys
-    of this visibility, computed here when None); ``config``: a launch shape (None: DEFAULT_CONFIG; any shape
-    gives the same bits)."""
-    config = DEFAULT_CONFIG if config is None else config
+    of this visibility, computed here when None); ``config``: a launch shape (None: config_for the token count;
+    any shape gives the same bits)."""
+    config = config_for(q_lat.shape[0]) if config is None else config
     config.check()
     on_device, total_keys, (q_lat, q_pe, cache_layer, visibility, out) = invariant_inputs(
         q_lat, q_pe, cache_layer, prefix_len, visibility, out, stream)

@@ -28,9 +28,8 @@ tiles and its pass's tokens into shared memory by cp.async, so a block's warps s
 all of K for its tiles (many pairs an expert); each pass is a block of its own. Their lanes load the same fragments
 from shared memory as the streaming lanes do from global memory.
 tc_config_for picks by the mean number of pairs per active expert: FEW_PAIRS_CONFIG (streaming, one tile) up to
-FEW_PAIRS, MID_PAIRS_CONFIG (streaming, three tiles) up to MID_PAIRS, MORE_PAIRS_CONFIG (streaming, four tiles) up
-to MORE_PAIRS, else MANY_PAIRS_CONFIG (staged) (figures: BENCHMARKS.md; sweep: python3 -m tools.sweeps.moe
---tensor-cores --graphs).
+FEW_PAIRS, MID_PAIRS_CONFIG (streaming, three tiles) up to MID_PAIRS, else MANY_PAIRS_CONFIG (staged) (figures:
+BENCHMARKS.md; probe under k2-mini-like routing: python3 tools/experts_probe.py --skew 2.5 --time ...).
 
 Batch invariance: a pair's result depends only on its activation row, the weights and the fixed K order and
 split, not on which tile or lane it sits in nor on how many pairs the expert has (each output column of an mma
@@ -185,18 +184,17 @@ CONFIG_TYPES = (TcConfig, StagedConfig)
 K_SPLIT = 2 if ON_SIMULATOR else 4
 FEW_PAIRS_CONFIG = TcConfig(K_SPLIT, 1, 2 if ON_SIMULATOR else 4)  # AR and small trees: one tile, 4 chunks a step
 MID_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 3, 1 if ON_SIMULATOR else 2)  # 24 tokens a pass
-MORE_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 4, 2)  # 32 tokens a pass
-MANY_PAIRS_CONFIG = StagedConfig(1, 2, 2, 2, 2) if ON_SIMULATOR else StagedConfig(5, 2, 2, 2, 4)  # 80 a pass
+# 64 tokens x 192 weight rows a block: the tokens a block re-reads through L2 each K chunk cost as much as its
+# weights at 64 rows a block
+MANY_PAIRS_CONFIG = StagedConfig(1, 2, 2, 2, 2) if ON_SIMULATOR else StagedConfig(4, 2, 2, 6, 4)
 FEW_PAIRS = 6    # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
-MID_PAIRS = 20   # ... MID_PAIRS_CONFIG (k2-mini at s = 64: 16)
-MORE_PAIRS = 40  # ... MORE_PAIRS_CONFIG (k2-mini at s = 128: 32), else MANY_PAIRS_CONFIG (s = 256: 64)
+MID_PAIRS = 12   # ... MID_PAIRS_CONFIG, else MANY_PAIRS_CONFIG (k2-mini at s = 64: 16; s = 256: 64)
 
 
 def tc_config_for(n_pairs: int, n_experts: int) -> TcConfig | StagedConfig:
     """The launch shape for n_pairs (token, expert) pairs over n_experts experts."""
     mean_pairs = n_pairs / max(1, min(n_experts, n_pairs))
-    for most, config in ((FEW_PAIRS, FEW_PAIRS_CONFIG), (MID_PAIRS, MID_PAIRS_CONFIG),
-                         (MORE_PAIRS, MORE_PAIRS_CONFIG)):
+    for most, config in ((FEW_PAIRS, FEW_PAIRS_CONFIG), (MID_PAIRS, MID_PAIRS_CONFIG)):
         if mean_pairs <= most:
             return config
     return MANY_PAIRS_CONFIG

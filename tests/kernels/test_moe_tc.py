@@ -15,7 +15,7 @@ from numba import cuda
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.numba_kernels.moe.experts import moe_experts
 from kdspec.numba_kernels.moe.experts_tc import (FEW_PAIRS_CONFIG, K_SPLIT, MANY_PAIRS_CONFIG, MID_PAIRS_CONFIG,
-                                                 MORE_PAIRS_CONFIG, StagedConfig, TcConfig, fragment_layout, supports,
+                                                 StagedConfig, TcConfig, fragment_layout, supports,
                                                  tc_config_for)
 
 from kernel_checks import assert_close, poisoned
@@ -107,8 +107,8 @@ def test_tensor_core_experts_match_the_bf16_reference_and_are_batch_invariant(d)
     s = 2 * MANY_PAIRS_CONFIG.tokens_per_pass + 3  # expert 0 holds every token: three passes
     x, ids, weights, gate_up, down = random_case(rng, s, d, 32, 5, 2, one_expert_for_all=True)
     # all tokens run MANY_PAIRS_CONFIG, each token alone FEW_PAIRS_CONFIG: the bits must not depend on it
-    assert tc_config_for(2, 5) == FEW_PAIRS_CONFIG and tc_config_for(5 * 20, 5) == MID_PAIRS_CONFIG
-    assert tc_config_for(5 * 40, 5) == MORE_PAIRS_CONFIG and tc_config_for(5 * 41, 5) == MANY_PAIRS_CONFIG
+    assert tc_config_for(2, 5) == FEW_PAIRS_CONFIG and tc_config_for(5 * 12, 5) == MID_PAIRS_CONFIG
+    assert tc_config_for(5 * 13, 5) == MANY_PAIRS_CONFIG
     together = run(x, ids, weights, gate_up, down, MANY_PAIRS_CONFIG)
     tokens = [0, 1, s // 2, s - 1]
     assert_close(together[tokens], reference(x, ids, weights, gate_up, down, tokens), 1e-5)  # seen: 1e-7
