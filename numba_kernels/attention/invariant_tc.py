@@ -18,8 +18,9 @@ W = WARPS * key_groups (a launch shape field): warp w has score share q = w % WA
           accumulated inside the mma in key order.
 A row's arithmetic is therefore fixed by WARPS, CHUNK and KEYS_PER_SPLIT (and the mma's own sum): which blocks run,
 how many tokens share the launch, which warp computes a score's share or a value column (key_groups) and STAGES
-(when the copies land) do not change a bit of it, so s = 1 and s = 257 give a token the same output. Within an mma k-step lane (g, tq) holds dimensions 2 tq, 2 tq + 1 of the k-step's 8
-(logical k tq and tq + 4), in q and keys alike: one 8-byte shared load is a lane's whole key fragment.
+(when the copies land) do not change a bit of it, so s = 1 and s = 257 give a token the same output. Within an
+mma k-step lane (g, tq) holds dimensions 2 tq, 2 tq + 1 of the k-step's 8 (logical k tq and tq + 4), in q and
+keys alike: one 8-byte shared load is a lane's whole key fragment.
 Shared memory: key rows at a stride of KEY_STRIDE words (= 8 mod 32: a warp's fragment loads hit distinct banks
 in both products).
 Precision: tf32 operands (q and p rounded to nearest; keys as stored, fp32 words the mma takes as tf32: how many
