@@ -415,11 +415,12 @@ def mla_attention_invariant_tc(q_lat, q_pe, cache_layer, prefix_len, visibility,
     invariant.mla_attention_invariant (prefix_len an int or an int32 [1] device array; ``keys``: the VisibleKeys
     of this visibility, computed here when None); ``config``: a launch shape (None: config_for the token count;
     any shape gives the same bits)."""
-    config = config_for(q_lat.shape[0]) if config is None else config
-    config.check()
+    if config is not None:
+        config.check()
     on_device, total_keys, (q_lat, q_pe, cache_layer, visibility, out) = invariant_inputs(
         q_lat, q_pe, cache_layer, prefix_len, visibility, out, stream)
     tokens, heads, latent = q_lat.shape
+    config = config_for(tokens) if config is None else config
     if tokens * heads == 0 or latent == 0:
         return out
     if not supports(latent, q_pe.shape[2]):
