@@ -40,7 +40,8 @@ BLOCK_SIZE = 8
 BUDGETS = (7, 15, 31, 63, 127, 255)   # trees of 8 .. 256 nodes, the root included
 DRAFTERS = ("oracle", "noisy:0.7")
 REPEATS = 3               # timed decodes per configuration: the median run is reported
-ROOFLINE_FACTOR = 2.0      # a step within 2x of its roofline
+ROOFLINE_FACTOR = 2.0      # a verify step within 2x of its roofline
+AR_ROOFLINE_FACTOR = 1.3   # the AR step within 1.3x of its roofline (issue #19)
 HOST_TARGET = 0.3e-3       # seconds of host time per DDTree step (wall time the GPU is idle)
 # Issue #19's speed targets, DDTree tokens/s over AR's: (drafter, budgets, least ratio, strictly above it)
 SPEED_TARGETS = (("oracle", (7,), 4.5, False), ("oracle", (255,), 1.0, True), ("noisy:0.7", (7, 15, 31, 63), 1.0, True))
@@ -376,11 +377,11 @@ def _roofline_rows(cfg: ModelConfig, plan: _Plan, ceiling: dict, ar_forwards: li
     """The AR step and the oracle's verify step at every budget against their rooflines, and the speed-up the
     rooflines and the oracle's tau predict at the first budget."""
     quick, first = plan.quick, plan.budgets[0]
-    target = f"<= {ROOFLINE_FACTOR:g}x roofline"
     experts = lambda forwards: np.mean([np.mean(d) for _, _, d in forwards]) if cfg.has_moe else 0.0  # noqa: E731
     ar_roof, ar_memory, ar_compute = roofline_seconds(cfg, ar_forwards, ceiling)
     rows = [row(SUITE, "AR step vs roofline", ar_step * 1e3, "ms", peer="roofline", peer_value=ar_roof * 1e3,
-                ratio=ar_roof / ar_step, target=target, ok=None if quick else ar_step <= ROOFLINE_FACTOR * ar_roof,
+                ratio=ar_roof / ar_step, target=f"<= {AR_ROOFLINE_FACTOR:g}x roofline",
+                ok=None if quick else ar_step <= AR_ROOFLINE_FACTOR * ar_roof,
                 note=f"whole AR step; memory {ar_memory * 1e3:.3g} ms, compute {ar_compute * 1e3:.3g} ms; "
                      f"{experts(ar_forwards):.1f} distinct experts/layer; ratio = roofline / measured")]
     for budget in plan.budgets:
@@ -389,7 +390,8 @@ def _roofline_rows(cfg: ModelConfig, plan: _Plan, ceiling: dict, ar_forwards: li
         verify_step = oracle.stage_times["verify"] / oracle.steps
         flops = np.mean([step_flops(cfg, s, p) for s, p, _ in verify_forwards[budget]])
         rows.append(row(SUITE, f"DDTree verify step B={budget} vs roofline", verify_step * 1e3, "ms",
-                        peer="roofline", peer_value=roof * 1e3, ratio=roof / verify_step, target=target,
+                        peer="roofline", peer_value=roof * 1e3, ratio=roof / verify_step,
+                        target=f"<= {ROOFLINE_FACTOR:g}x roofline",
                         ok=None if quick else verify_step <= ROOFLINE_FACTOR * roof,
                         note=f"oracle's verify stage (forward + token choice); memory {memory * 1e3:.3g} ms, "
                              f"compute {compute * 1e3:.3g} ms ({flops / 1e12:.3g} TFLOP); "
