@@ -659,10 +659,9 @@ def gemm_kernel(config: GemmConfig, b_k_contiguous: bool, fusion: str = "none", 
 
 
 def allow_dynamic_shared(kernel, nbytes: int) -> None:
-    """Opt a compiled kernel in to nbytes of dynamic shared memory (a launch above 48 KB fails without it).
-    numba-cuda has no public call for this attribute: its kernel's driver function is set directly."""
-    if nbytes <= SHARED_LIMIT:
-        return
+    """Opt a compiled kernel in to nbytes of dynamic shared memory (a launch whose static and dynamic shared memory
+    together pass 48 KB fails without it). numba-cuda has no public call for this attribute: its kernel's driver
+    function is set directly."""
     from numba.cuda.cudadrv.driver import binding, driver
     attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     for overload in kernel.overloads.values():
@@ -670,19 +669,21 @@ def allow_dynamic_shared(kernel, nbytes: int) -> None:
         driver.cuKernelSetAttribute(attribute, nbytes, function.handle, function.device.id)
 
 
-_OPTED_IN: set = set()  # (kernel id, bytes, argument type keys) of the overloads opted in by opt_in_shared
+_OPTED_IN: set = set()  # (kernel id, bytes, argument type keys) of the overloads opt_in_shared has checked
 
 
 def opt_in_shared(kernel, args, nbytes: int) -> None:
     """Let the overload of a lazily compiled ``kernel`` for these launch arguments take nbytes of dynamic shared
-    memory (compiled here first: above 48 KB a launch fails without the opt-in). Nothing to do at or below 48 KB
-    or on the simulator; a second call for the same argument types costs a dictionary lookup."""
-    if nbytes <= SHARED_LIMIT or ON_SIMULATOR:
+    memory: compiled here first, it opts in where its static shared memory and nbytes pass 48 KB (49152 dynamic
+    bytes beside 1040 static ones fail to launch without it). Nothing to do without dynamic shared memory or on
+    the simulator; a second call for the same argument types costs a dictionary lookup."""
+    if nbytes <= 0 or ON_SIMULATOR:
         return
     key = (id(kernel), nbytes) + tuple(type_key(arg) for arg in args)
     if key not in _OPTED_IN:
-        kernel.compile(tuple(kernel.typeof_pyval(arg) for arg in args))
-        allow_dynamic_shared(kernel, nbytes)
+        compiled = kernel.compile(tuple(kernel.typeof_pyval(arg) for arg in args))
+        if compiled.shared_mem_per_block + nbytes > SHARED_LIMIT:
+            allow_dynamic_shared(kernel, nbytes)
         _OPTED_IN.add(key)
 
 
