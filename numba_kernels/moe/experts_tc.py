@@ -185,8 +185,8 @@ K_SPLIT = 2 if ON_SIMULATOR else 4
 FEW_PAIRS_CONFIG = TcConfig(K_SPLIT, 1, 2 if ON_SIMULATOR else 4)  # AR and small trees: one tile, 4 chunks a step
 MID_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 3, 1 if ON_SIMULATOR else 2)  # 24 tokens a pass
 # 64 tokens x 192 weight rows a block: the tokens a block re-reads through L2 each K chunk cost as much as its
-# weights at 64 rows a block
-MANY_PAIRS_CONFIG = StagedConfig(1, 2, 2, 2, 2) if ON_SIMULATOR else StagedConfig(4, 2, 2, 6, 4)
+# weights at 64 rows a block; two chunks a stage halve the barriers and the copies' address work per mma
+MANY_PAIRS_CONFIG = StagedConfig(1, 2, 2, 2, 2) if ON_SIMULATOR else StagedConfig(4, 2, 2, 6, 4, 2)
 FEW_PAIRS = 6    # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
 MID_PAIRS = 12   # ... MID_PAIRS_CONFIG, else MANY_PAIRS_CONFIG (k2-mini at s = 64: 16; s = 256: 64)
 
