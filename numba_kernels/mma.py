@@ -222,6 +222,14 @@ else:
 
 # ------------------------------------------------------------------------------------------------ cp.async
 # Tiles go from global to shared memory with cp.async (no register staging; STAGES chunks in flight).
+
+
+def address_units(itemsize: int) -> int:
+    """What one element of itemsize bytes adds to a shared_address or global_address address: its bytes on the GPU,
+    1 under the simulator (whose addresses are indices)."""
+    return 1 if ON_SIMULATOR else itemsize
+
+
 if ON_SIMULATOR:
     @device_function()
     def copy16(dst, dst_index, src, src_index, src_bytes):
@@ -236,6 +244,22 @@ if ON_SIMULATOR:
     @device_function()
     def copy_commit():
         """cp.async.commit_group (the simulator copies at once)."""
+
+    @device_function()
+    def shared_address(array, index):
+        """copy16_at's address of array[index]: under the simulator the index itself."""
+        return index
+
+    @device_function()
+    def global_address(array, index):
+        """copy16_at's address of array[index]: under the simulator the index itself."""
+        return index
+
+    @device_function()
+    def copy16_at(dst, dst_address, src, src_address):
+        """copy16 of whole 16 bytes from src[src_address] to dst[dst_address] (shared_address's and
+        global_address's indices, plus offsets in elements)."""
+        copy16(dst, dst_address, src, src_address, 16)
 
     def copy_wait(pending: int):
         @device_function()
@@ -271,6 +295,39 @@ else:
         return copy
 
     copy16, copy4 = _cp_async(16, "cg"), _cp_async(4, "ca")
+
+    def _address_of(shared: bool):
+        @intrinsic
+        def address(typingctx, array, index):
+            def codegen(context, builder, sig, args):
+                data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+                pointer = builder.gep(data, [context.cast(builder, args[1], sig.args[1], types.intp)], inbounds=True)
+                if shared:  # the 32-bit shared-window address, as copy16 casts its destination
+                    pointer = builder.addrspacecast(pointer, pointer.type.pointee.as_pointer(3))
+                    return builder.zext(builder.ptrtoint(pointer, ir.IntType(32)), ir.IntType(64))
+                return builder.ptrtoint(pointer, ir.IntType(64))
+            return types.int64(array, index), codegen
+        return address
+
+    # The addresses of array[index] as int64 (a shared array's 32-bit shared-window address, a global array's
+    # generic one): copy16_at's operands. A kernel that computes them once and adds offsets in registers spares each
+    # copy the array's base: rebuilt per copy under register pressure, a shared base costs an S2R and four more
+    # instructions, a global one a constant load and a 64-bit multiply-add.
+    shared_address, global_address = _address_of(True), _address_of(False)
+
+    @intrinsic
+    def copy16_at(typingctx, dst, dst_address, src, src_address):
+        """cp.async.cg of 16 bytes from src_address to dst_address (global_address's and shared_address's
+        addresses, plus byte offsets); the arrays only type the call."""
+        def codegen(context, builder, sig, args):
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            dst_at = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), i32)
+            src_at = context.cast(builder, args[3], sig.args[3], types.int64)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i64]), "cp.async.cg.shared.global [$0], [$1], 16;",
+                               "r,l,~{memory}", side_effect=True)
+            builder.call(asm, [dst_at, src_at])
+            return context.get_dummy_value()
+        return types.void(dst, dst_address, src, src_address), codegen
 
     @intrinsic
     def _commit(typingctx):

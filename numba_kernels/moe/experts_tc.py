@@ -52,8 +52,9 @@ from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.host_arrays import device_address
 from kdspec.numba_kernels.intrinsics import at2, at2_put
 from kdspec.numba_kernels.moe.experts import ExpertPlan, load_u64x2, load_u64x2_flat, silu
-from kdspec.numba_kernels.mma import (BF16_SCRATCH_PER_WARP, MAX_SHARED_BYTES, WARP, copy16, copy_commit, copy_wait,
-                                      float_bits, mma_bf16, opt_in_shared)
+from kdspec.numba_kernels.mma import (BF16_SCRATCH_PER_WARP, MAX_SHARED_BYTES, WARP, address_units, copy16_at,
+                                      copy_commit, copy_wait, float_bits, global_address, mma_bf16, opt_in_shared,
+                                      shared_address)
 from kdspec.numba_kernels.runtime import (INLINE_DEVICE, ON_SIMULATOR, device_function, row_blocks,
                                           static_for)
 
@@ -571,27 +572,36 @@ def staged_kernels(config: StagedConfig):
     wait_for_stage = copy_wait(stages - 2)
     zero_all = static_for(acc_size, _zero)
 
-    def copy_piece(i, args):
-        """Copy i of this thread's stage pieces (16 bytes of a weight tile or of a token): piece_at[i] is where in
-        a slot it lands, piece_from[i] the flat uint64 index of its stage 0; piece_at[i] is -1 where this thread
-        has no piece or its piece is past f, d or the expert's pairs (set once an expert for the weights, once a
-        pass for the tokens), so that a stage's copies cost one address each. Nothing is copied for those: what
-        the slot holds there (an earlier stage's bytes) reaches only accumulators of weight rows or tokens that
-        are never stored, as each output of an mma is its own row's and token's."""
-        slots, at, source, piece_at, piece_from, offset = args
-        if piece_at[i] >= 0:
-            copy16(slots, at + piece_at[i], source, piece_from[i] + offset, int32(16))
+    word = address_units(8)  # a uint64's step in a copy16_at address
+    piece_step = 2 * word * threads  # from this thread's copy i to its copy i + 1: threads 16-byte pieces on
+    weight_pieces = tile_pieces * staged_tiles
 
-    copy_weight_pieces = static_for(weight_copies, device_function(**INLINE_DEVICE)(copy_piece))
-    copy_token_pieces = static_for(token_copies, device_function(**INLINE_DEVICE)(copy_piece))
+    def copy_weight_piece(i, args):
+        """This thread's weight copy i of a stage: piece tid + i threads of the slot's weight tiles (the slot's
+        16-byte pieces in order), weight_from[i] the address of its stage 0."""
+        slots, slot_at, w, weight_from, stage_offset = args
+        if (i + 1) * threads <= weight_pieces or cuda.threadIdx.x + i * threads < weight_pieces:
+            copy16_at(slots, slot_at + i * piece_step, w, weight_from[i] + stage_offset)
+
+    def copy_token_piece(i, args):
+        """This thread's token copy i of a stage (the pieces after the weight tiles'), none past the pass's pairs
+        (valid_pieces: the pass's pairs' pieces): the slot's earlier bytes there reach only outputs never stored,
+        as each output of an mma is its own token's."""
+        slots, slot_at, tokens, token_from, stage_offset, valid_pieces = args
+        if cuda.threadIdx.x + i * threads < valid_pieces:
+            copy16_at(slots, slot_at + i * piece_step, tokens, token_from[i] + stage_offset)
+
+    copy_weight_pieces = static_for(weight_copies, device_function(**INLINE_DEVICE)(copy_weight_piece))
+    copy_token_pieces = static_for(token_copies, device_function(**INLINE_DEVICE)(copy_token_piece))
 
     @device_function(**INLINE_DEVICE)
-    def copy_stage(slots, slot, stage, w, weight_at, weight_from, tokens, token_at, token_from):
-        """Stage ``stage`` (inside K) of the block's weight tiles and the pass's tokens into slot ``slot``. All
-        int32 but the sources' indices: the loop is issue-bound (64-bit arithmetic costs two instructions)."""
-        at = int32(slot * slot_words)
-        copy_weight_pieces((slots, at, w, weight_at, weight_from, int64(int32(tile_words) * stage)))
-        copy_token_pieces((slots, at, tokens, token_at, token_from, int64(int32(8 * per_stage) * stage)))
+    def copy_stage(slots, slot_at, stage, w, weight_from, tokens, token_from, valid_token_pieces):
+        """Stage ``stage`` (inside K) of the block's weight tiles and the pass's tokens into the slot whose first
+        piece of this thread is at slot_at. Every address is a register plus an offset: the loop is bound by its
+        instructions and latencies, and an array index costs the array's base each copy (mma.global_address)."""
+        copy_weight_pieces((slots, slot_at, w, weight_from, int64(stage) * (tile_words * word)))
+        copy_token_pieces((slots, slot_at + weight_words * word, tokens, token_from,
+                           int64(stage) * (8 * per_stage * word), valid_token_pieces))
 
     def load_weight_tile(n, args):
         """Weight tile n's A fragments of both k-steps of the chunk at ``at`` into a[8 n ..] (step j at 8 n + 4 j)."""
@@ -655,10 +665,9 @@ def staged_kernels(config: StagedConfig):
             a = cuda.local.array(a_words, uint32)
             b = cuda.local.array(b_words, uint32)
             tile_at = cuda.local.array(weight_tiles, int32)  # where in a slot each weight tile's lane fragment is
-            weight_at = cuda.local.array(weight_copies, int32)  # copy_piece's two per copy (weights, tokens)
-            weight_from = cuda.local.array(weight_copies, int64)
-            token_at = cuda.local.array(token_copies, int32)
+            weight_from = cuda.local.array(weight_copies, int64)  # the stage-0 address of each copy (copy_stage)
             token_from = cuda.local.array(token_copies, int64)
+            first_slot_at = shared_address(slots, 2 * cuda.threadIdx.x)  # this thread's first piece of slot 0
             warp = cuda.threadIdx.x // WARP
             ww, wt = warp % warps_w, warp // warps_w
             lane = cuda.threadIdx.x % WARP
@@ -700,23 +709,23 @@ def staged_kernels(config: StagedConfig):
                     else:
                         source = first_tile + staged
                         valid = source < w_tiles
-                    weight_at[i] = int32(2 * piece) if valid and piece < tile_pieces * staged_tiles else int32(-1)
-                    weight_from[i] = ((int64(expert) * w_tiles + source) * n_chunks * TILE_WORDS
-                                      + 2 * (piece % tile_pieces))
+                    if not valid:
+                        # a tile past f or d copies the block's first tile again (from L2, not memory): its rows
+                        # reach only outputs never stored, as each output of an mma is its own row's
+                        source = first_tile
+                    weight_from[i] = global_address(w, (int64(expert) * w_tiles + source) * n_chunks * TILE_WORDS
+                                                    + 2 * (piece % tile_pieces))
                 for i in range(token_copies):
                     piece = cuda.threadIdx.x + i * threads
-                    pair = base + piece // token_pieces
-                    token_at[i] = int32(-1)
-                    token_from[i] = 0
-                    if pair < end and piece < token_pieces * tokens_per_pass:
-                        token_at[i] = int32(weight_words + 2 * piece)
-                        token_from[i] = ((sorted_pairs[pair] // k if gate_up else pair) * token_words
-                                         + 2 * (piece % token_pieces))
+                    pair = min(base + piece // token_pieces, end - 1)  # (copied only inside the pass's pairs)
+                    token_from[i] = global_address(tokens, (sorted_pairs[pair] // k if gate_up else pair) * token_words
+                                                   + 2 * (piece % token_pieces))
+                valid_token_pieces = int32(min(end - base, tokens_per_pass) * token_pieces)
                 has_tokens = base + first_token < end
                 for stage in range(stages - 1):  # prologue: stages - 1 stages in flight
                     if stage < k_stages:
-                        copy_stage(slots, stage, int32(stage), w, weight_at, weight_from, tokens, token_at,
-                                   token_from)
+                        copy_stage(slots, first_slot_at + stage * (slot_words * word), int32(stage), w, weight_from,
+                                   tokens, token_from, valid_token_pieces)
                     copy_commit()  # (an empty group keeps the count uniform)
                 zero_all(acc)
                 slot, fill_slot, share_left, first_share = int32(0), int32(stages - 1), int32(share), True
@@ -725,8 +734,8 @@ def staged_kernels(config: StagedConfig):
                     wait_for_stage()
                     cuda.syncthreads()  # every thread's copies landed; the slot refilled next is read
                     if int32(stage + stages - 1) < k_stages:  # (numba widens int32 sums to int64)
-                        copy_stage(slots, fill_slot, int32(stage + stages - 1), w, weight_at, weight_from,
-                                   tokens, token_at, token_from)
+                        copy_stage(slots, first_slot_at + fill_slot * (slot_words * word), int32(stage + stages - 1),
+                                   w, weight_from, tokens, token_from, valid_token_pieces)
                     copy_commit()
                     fill_slot = int32(0) if fill_slot == stages - 1 else int32(fill_slot + 1)
                     # a share padded past K skips its stages there, as the streaming warps do; a warp past the
