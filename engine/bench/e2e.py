@@ -48,7 +48,8 @@ SPEED_TARGETS = (("oracle", (7,), 4.5, False), ("oracle", (255,), 1.0, True), ("
 HF_TARGET = 2.0            # engine AR >= 2x HF transformers AR
 WEIGHT_BYTES = 2           # bf16 storage of every linear weight on the device
 
-_LOADED: dict = {}
+_LOADED: dict = {}        # quick -> load_model's result
+MODEL_SUITES = ("e2e", "trace")  # the suites that run load_model's cached model
 
 
 # -------------------------------------------------------------------------------------------- HF peer
@@ -223,6 +224,16 @@ def load_model(quick: bool):
         tensors = {name: weights.draw(torch, name).to(torch.bfloat16) for name in weights}
     _LOADED[quick] = (cfg, model, DeviceTreeOps(), tensors)
     return _LOADED[quick]
+
+
+def release_model(quick: bool) -> None:
+    """Drop the cached model (the runner calls it after the last suite in MODEL_SUITES), so that the suites after it
+    get the GPU's memory back: k2-mini's bf16 weights and graphs hold about 50 GB."""
+    if _LOADED.pop(quick, None) is not None:
+        gc.collect()
+        torch = torch_cuda()
+        if torch is not None:
+            torch.cuda.empty_cache()
 
 
 def release_tensors(quick: bool) -> None:

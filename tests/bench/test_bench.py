@@ -68,6 +68,21 @@ def test_runner_failed_suite_is_one_row(monkeypatch):
     assert json.loads(out.getvalue()) == rows
 
 
+@pytest.mark.sim
+def test_runner_runs_suites_in_the_known_order_and_frees_the_model_after_its_last_suite(monkeypatch):
+    from kdspec.engine.bench import e2e, trace, tree
+    calls = []
+    for module in (tree, e2e, trace):
+        monkeypatch.setattr(module, "run", lambda quick=False, name=module.__name__.rsplit(".", 1)[1]:
+                            calls.append(name) or [])
+    monkeypatch.setattr(runner, "release_model", lambda quick: calls.append("release"))
+    runner.run(["trace", "e2e", "tree", "trace"], quick=True, out=io.StringIO())
+    assert calls == ["tree", "e2e", "trace", "release"]  # each once, in the known order; the model freed after trace
+    calls.clear()
+    runner.run(["e2e", "tree"], quick=True, out=io.StringIO())
+    assert calls == ["tree", "e2e", "release"]
+
+
 # ------------------------------------------------------------------------------------------ suites
 @pytest.mark.sim
 def test_kernel_suites_quick():
