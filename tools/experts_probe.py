@@ -2,7 +2,8 @@
 Nsight Compute (tools/gpu_session.sh ncu-experts); with --sass, the staged gate_up kernel's SASS instruction mix
 (numba-cuda's inspect_sass: needs nvdisasm on PATH), the whole SASS written to $OUT/staged_gate_up.sass when OUT is
 set. With --time "warps_t,warps_w,token_tiles,weight_tiles,stages;..." [--tokens 64,128,256]: the tensor-core
-kernels alone (grouped_swiglu_tc, CUDA events) at each token count for each StagedConfig, after
+kernels alone (grouped_swiglu_tc, CUDA events) at each token count for each StagedConfig (or "wgmma:N,S,C", a
+WgmmaConfig), after
 MANY_PAIRS_CONFIG and the launcher's choice at that count, and whether each gives FEW_PAIRS_CONFIG's bits; with
 --against OLD.py (a copy of an earlier experts_tc.py, in fragment layout or, older, natural layout), that module's
 MANY_PAIRS_CONFIG and its choice in the same process, side by side, and whether they give the same bits; with
@@ -91,7 +92,8 @@ if "--time" in sys.argv:
     tokens = sys.argv[sys.argv.index("--tokens") + 1] if "--tokens" in sys.argv else "64,128,256"
     against = load_against(sys.argv[sys.argv.index("--against") + 1]) if "--against" in sys.argv else None
     skew = float(sys.argv[sys.argv.index("--skew") + 1]) if "--skew" in sys.argv else 0.0
-    time_configs([config] + [tc.StagedConfig(*map(int, c.split(","))) for c in spec.split(";") if c],
+    from tools.experts_sass import config_from_text  # (run from the repository root)
+    time_configs([config] + [config_from_text(c) for c in spec.split(";") if c],
                  [int(t) for t in tokens.split(",")], against, skew)
     sys.exit(0)
 for _ in range(3):

@@ -35,11 +35,13 @@ def main() -> None:
     parser.add_argument("--variant", action="store_true",
                         help="the bf16 model without batch invariance (the forward before issue #19)")
     parser.add_argument("--many-pairs", default=None, metavar="WARPS_T,WARPS_W,TOKEN_TILES,WEIGHT_TILES,STAGES",
-                        help="the staged experts' launch shape for many pairs an expert (experts_tc.MANY_PAIRS_CONFIG)")
+                        help="the experts' launch shape for many pairs an expert (experts_tc.MANY_PAIRS_CONFIG): a "
+                             "StagedConfig's numbers or wgmma:TOKENS,STAGES,CHUNKS_PER_STAGE (a WgmmaConfig)")
     args = parser.parse_args()
     if args.many_pairs:  # before any forward: tc_config_for reads the module's MANY_PAIRS_CONFIG at each call
         from kdspec.numba_kernels.moe import experts_tc
-        experts_tc.MANY_PAIRS_CONFIG = experts_tc.StagedConfig(*map(int, args.many_pairs.split(",")))
+        from tools.experts_sass import config_from_text
+        experts_tc.MANY_PAIRS_CONFIG = config_from_text(args.many_pairs)
         print(f"MANY_PAIRS_CONFIG = {experts_tc.MANY_PAIRS_CONFIG}")
     from kdspec.engine.decode.config import DecodeConfig
     from kdspec.engine.decode.drafters import parse_drafter

@@ -27,6 +27,7 @@ with more pairs takes several passes. The staged kernels (StagedConfig, staged_k
 tiles and its pass's tokens into shared memory by cp.async, so a block's warps share each load, and one warp walks
 all of K for its tiles (many pairs an expert); each pass is a block of its own. Their lanes load the same fragments
 from shared memory as the streaming lanes do from global memory.
+experts_wgmma.py runs the staged kernels' work on Hopper's asynchronous wgmma (WgmmaConfig), with the same bits.
 tc_config_for picks by the mean number of pairs per active expert: FEW_PAIRS_CONFIG (streaming, one tile) up to
 FEW_PAIRS, MID_PAIRS_CONFIG (streaming, three tiles) up to MID_PAIRS, else MANY_PAIRS_CONFIG (staged) (figures:
 BENCHMARKS.md; probe under k2-mini-like routing: python3 tools/experts_probe.py --skew 2.5 --time ...).
@@ -174,7 +175,50 @@ class StagedConfig:
         return staged_kernels(self)
 
 
-CONFIG_TYPES = (TcConfig, StagedConfig)
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """Launch shape of the wgmma kernels (experts_wgmma.py, sm_90a): one warpgroup a block, its 4 warps each owning
+    two 16-row weight tiles (gate_up: a gate tile and its up tile, 64 intermediate rows a block; down: 32 adjacent
+    output rows, 128 a block) against a pass of ``tokens`` tokens, staged into shared memory as StagedConfig's
+    are, chunks_per_stage chunks at a time, ``stages`` deep. Runs where a caller passes it (grouped_swiglu_tc's
+    ``config``), not by tc_config_for's choice until its bits and speed are measured on a GPU (BENCHMARKS.md)."""
+
+    tokens: int = 64
+    stages: int = 4
+    chunks_per_stage: int = 2
+
+    def __post_init__(self):
+        if not (self.tokens % 8 == 0 and 8 <= self.tokens <= 128 and 2 <= self.stages <= 16
+                and 1 <= self.chunks_per_stage <= 4):
+            raise ValueError(f"WgmmaConfig: tokens {self.tokens} (a multiple of 8 in 8..128), stages {self.stages} "
+                             f"(2..16), chunks_per_stage {self.chunks_per_stage} (1..4)")
+        if self.shared_bytes > MAX_SHARED_BYTES:
+            raise ValueError(f"WgmmaConfig: {self.shared_bytes} bytes of shared memory (at most {MAX_SHARED_BYTES})")
+
+    threads = 4 * WARP
+    staged_tiles = 8  # 16-row weight tiles a block stages: two a warp
+
+    @property
+    def tokens_per_pass(self) -> int:
+        return self.tokens
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.stages * self.chunks_per_stage * (self.staged_tiles * TILE_ROWS + self.tokens) * CHUNK * 2
+
+    def stage_fits(self, n_chunks: int) -> bool:
+        return StagedConfig.stage_fits(self, n_chunks)
+
+    def rows_per_block(self, gate_up: bool) -> int:
+        return TILE_ROWS * self.staged_tiles // 2 if gate_up else TILE_ROWS * self.staged_tiles
+
+    def kernels(self):
+        from kdspec.numba_kernels.moe.experts_wgmma import wgmma_kernels  # (it imports this module's helpers)
+        return wgmma_kernels(self)
+
+
+CONFIG_TYPES = (TcConfig, StagedConfig, WgmmaConfig)
+STAGED_TYPES = (StagedConfig, WgmmaConfig)  # shared-memory stages: dynamic shared memory, passes as work items
 
 # Launch shapes by the mean number of pairs an active expert gets (tc_config_for). Every kind sums K in the same
 # K_SPLIT shares (fixing the bits: see the module docstring), so a token gets the same bits whichever runs it: the
@@ -208,15 +252,26 @@ def bf16_rne(x):
     return (bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) >> uint32(16)
 
 
+@device_function(**INLINE_DEVICE)
+def transposed_word(word):
+    """Where bf16 pair ``word`` of a row goes in the wgmma kernels' token layout: inside each 32-column chunk (16
+    words), word 4 a + b goes to 4 b + a. Then the chunk's 16-byte quarter 2 j + h holds the columns that k-step j
+    of the K order (module docstring) gives lanes tq = 0..3 as their B words h (k 2tq, 2tq + 1; then 2tq + 8, 2tq
+    + 9): one row of a wgmma core matrix, so a token's quarter is copied whole (experts_wgmma.py). Its own inverse."""
+    within = word % 16
+    return word - within + 4 * (within % 4) + within // 4
+
+
 @kernel_cache.jit
-def _round_to_bf16(x, x_bits):
-    """x_bits[t, i] = bf16(x[t, 2i]) | bf16(x[t, 2i + 1]) << 16. x float32 [s, d]; x_bits uint32 [s, d/2].
-    Grid (ceil(d/2 / CONVERT_THREADS), row_blocks(s))."""
+def _round_to_bf16(x, x_bits, transposed):
+    """x_bits[t, i] = bf16(x[t, 2i]) | bf16(x[t, 2i + 1]) << 16, at word transposed_word(i) when transposed. x
+    float32 [s, d]; x_bits uint32 [s, d/2]. Grid (ceil(d/2 / CONVERT_THREADS), row_blocks(s))."""
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < x_bits.shape[1]:
+        to = transposed_word(i) if transposed else i
         t = cuda.blockIdx.y
         while t < x.shape[0]:
-            at2_put(x_bits, t, i, bf16_rne(at2(x, t, 2 * i)) | (bf16_rne(at2(x, t, 2 * i + 1)) << uint32(16)))
+            at2_put(x_bits, t, to, bf16_rne(at2(x, t, 2 * i)) | (bf16_rne(at2(x, t, 2 * i + 1)) << uint32(16)))
             t += cuda.gridDim.y
 
 
@@ -323,23 +378,44 @@ def locate_item(item, actives, expert_offsets, active_experts, tokens_per_pass, 
     return actives, items_before
 
 
+@device_function(**INLINE_DEVICE)
+def locate_pass(item, actives, expert_offsets, active_experts, tokens_per_pass, passes, found):
+    """Work item ``item``'s pass (locate_item's arguments; every thread calls it): (its expert, its first sorted pair,
+    the expert's end), expert -1 past the last item."""
+    active, items_before = locate_item(item, actives, expert_offsets, active_experts, tokens_per_pass, passes, found)
+    if active >= actives:
+        return -1, 0, 0
+    expert = active_experts[active]
+    return expert, expert_offsets[expert] + (item - items_before) * tokens_per_pass, expert_offsets[expert + 1]
+
+
+@device_function(**INLINE_DEVICE)
+def share_stages(n_chunks, per_stage):
+    """A staged kernel's walk over K's n_chunks chunks, per_stage a stage: (stages inside K, stages a K_SPLIT share,
+    stages walked: K_SPLIT shares, the last padded past K as the streaming kernels' last warp is), int32 (64-bit
+    counters cost two instructions each in an issue-bound loop)."""
+    share = int32((n_chunks + K_SPLIT - 1) // K_SPLIT // per_stage)
+    return int32(n_chunks // per_stage), share, int32(share * K_SPLIT)
+
+
 def work_items(config, max_active: int, n_pairs: int) -> int:
     """Grid rows (y) of a launch: a streaming block loops over the active experts; a staged launch has at most
     one row a work item (locate_item): each of n active experts has a pair, so its ceil(p / T) passes are at most
     1 + (p - 1) // T; summed, n + (n_pairs - n) // T, which grows with n."""
-    if isinstance(config, StagedConfig):
+    if isinstance(config, STAGED_TYPES):
         return max_active + (n_pairs - max_active) // config.tokens_per_pass
     return max_active
 
 
 @functools.lru_cache(maxsize=None)
-def store_functions(weight_tiles: int, token_tiles: int):
+def store_functions(weight_tiles: int, token_tiles: int, transposed: bool = False):
     """(store_act_all, store_down_all) for a warp's weight_tiles x token_tiles C fragments, accumulator 4 (n
     token_tiles + m) + c holding entry c of weight tile n x token tile m (c: weight row g + 8 (c >> 1), token 2 tq
     + (c & 1)). store_act_all((acc, act_bits, base, end, first_column, f)): act = bf16(silu(gate) * up) of pair rows
     base + .. and intermediate columns first_column + .. (the first weight_tiles / 2 tiles are gate rows, the rest
-    the matching up rows); store_down_all((acc, pair_out, sorted_pairs, base, end, first_column)): pair_out rows of
-    the sorted pairs base + .., columns first_column + .. ."""
+    the matching up rows; act column c at 2 transposed_word(c / 2) + c % 2 when transposed: the wgmma down kernel's
+    layout); store_down_all((acc, pair_out, sorted_pairs, base, end, first_column)): pair_out rows of the sorted
+    pairs base + .., columns first_column + .. ."""
     up_offset = 4 * (weight_tiles // 2) * token_tiles
 
     def store_act(o, args):
@@ -351,6 +427,8 @@ def store_functions(weight_tiles: int, token_tiles: int):
         row = base + 8 * m + 2 * tq + (c & 1)
         column = first_column + TILE_ROWS * n + g + 8 * (c >> 1)
         if row < end and column < f:
+            if transposed:
+                column = 2 * transposed_word(column >> 1) + (column & 1)
             act_bits[row, column] = uint16(bf16_rne(silu(acc[o]) * acc[o + up_offset]))
 
     def store_down(o, args):
@@ -683,22 +761,16 @@ def staged_kernels(config: StagedConfig):
             first_token = 8 * token_tiles * wt
             token_lane_at = int32(weight_words + 8 * per_stage * (first_token + (lane >> 2)) + 2 * (lane & 3))
             token_words = tokens.shape[2]
-            # 32-bit counters: the loop is issue-bound, and 64-bit ones cost two instructions each
-            k_stages = int32(n_chunks // per_stage)
-            share = int32((n_chunks + K_SPLIT - 1) // K_SPLIT // per_stage)  # stages a share
-            n_stages = int32(share * K_SPLIT)
+            k_stages, share, n_stages = share_stages(n_chunks, per_stage)
             # one pass a work item (locate_item): the passes of an expert with many pairs run side by side in blocks
             # of their own, not one after another in one block (the launch's tail; the weights read again)
             item = cuda.blockIdx.y
             actives = n_active[0]
             while True:  # block-uniform: the block syncs
-                active, items_before = locate_item(item, actives, expert_offsets, active_experts, tokens_per_pass,
-                                                   item_passes, item_found)
-                if active >= actives:
+                expert, base, end = locate_pass(item, actives, expert_offsets, active_experts, tokens_per_pass,
+                                                item_passes, item_found)
+                if expert < 0:
                     break
-                expert = active_experts[active]
-                base = expert_offsets[expert] + (item - items_before) * tokens_per_pass
-                end = expert_offsets[expert + 1]
                 for i in range(weight_copies):
                     piece = cuda.threadIdx.x + i * threads
                     staged = piece // tile_pieces  # the slot's weight tile
@@ -783,8 +855,9 @@ def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, 
     if max_active == 0:
         return
     x_bits = pair_out.reshape(n_pairs * d).view(np.uint32)[:s * d // 2].reshape(s, d // 2)
-    _round_to_bf16[(math.ceil(d // 2 / CONVERT_THREADS), row_blocks(s)), CONVERT_THREADS, stream](x, x_bits)
     config = config or tc_config_for(plan.sorted_pairs.shape[0], plan.expert_counts.shape[0])
+    _round_to_bf16[(math.ceil(d // 2 / CONVERT_THREADS), row_blocks(s)), CONVERT_THREADS, stream](
+        x, x_bits, isinstance(config, WgmmaConfig))
     gate_up_config, down_config = (_staged_fit(config, d // CHUNK), _staged_fit(config, f // CHUNK))
     gate_up_tc, down_tc = gate_up_config.kernels()[0], down_config.kernels()[1]
     act_bits = act.view(np.uint16)  # [P, 2f]: bf16 act in the first f columns
@@ -800,7 +873,7 @@ def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, 
 
 def _staged_fit(config, n_chunks: int):
     """config for a product of n_chunks chunks: a StagedConfig whose stages do not fit them takes one chunk a stage."""
-    if isinstance(config, StagedConfig) and not config.stage_fits(n_chunks):
+    if isinstance(config, STAGED_TYPES) and not config.stage_fits(n_chunks):
         return replace(config, chunks_per_stage=1)
     return config
 
@@ -816,6 +889,6 @@ def _flat_words(view):
 def _launch(config, kernel, row_blocks_x: int, items: int, stream, *args) -> None:
     """kernel over (row_blocks_x, row_blocks(items)) blocks of config.threads, with a staged config's dynamic
     shared memory (above 48 KB the compiled kernel must opt in first: opt_in_shared)."""
-    shared = config.shared_bytes if isinstance(config, StagedConfig) else 0
+    shared = config.shared_bytes if isinstance(config, STAGED_TYPES) else 0
     opt_in_shared(kernel, args, shared)
     kernel[(row_blocks_x, row_blocks(items)), config.threads, stream, shared](*args)

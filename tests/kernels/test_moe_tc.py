@@ -15,8 +15,8 @@ from numba import cuda
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.numba_kernels.moe.experts import moe_experts
 from kdspec.numba_kernels.moe.experts_tc import (FEW_PAIRS_CONFIG, K_SPLIT, MANY_PAIRS_CONFIG, MID_PAIRS_CONFIG,
-                                                 StagedConfig, TcConfig, fragment_layout, supports,
-                                                 tc_config_for)
+                                                 StagedConfig, TcConfig, WgmmaConfig, fragment_layout, supports,
+                                                 tc_config_for, transposed_word)
 
 from kernel_checks import assert_close, poisoned
 
@@ -154,6 +154,36 @@ def test_stages_of_two_chunks_give_the_few_pairs_bits():
 
 
 @pytest.mark.sim
+def test_transposed_word_swaps_a_chunks_quarter_and_word_and_is_its_own_inverse():
+    word_at = getattr(transposed_word, "py_func", transposed_word)  # (a device function on a GPU)
+    words = np.arange(48)
+    moved = np.array([word_at(w) for w in words])
+    assert sorted(moved) == list(words) and all(word_at(m) == w for w, m in zip(words, moved))
+    # quarter 2 j + h of a chunk: the pairs lanes tq = 0..3 give k-step j as B word h (columns 8 tq + 4 j + 2 h)
+    for chunk, j, h in ((0, 0, 0), (0, 1, 1), (2, 0, 1)):
+        quarter = [w for w in words if moved[w] // 4 == 4 * chunk + 2 * j + h]
+        assert [2 * (w % 16) for w in sorted(quarter, key=lambda w: moved[w])] == [8 * tq + 4 * j + 2 * h
+                                                                                  for tq in range(4)]
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("d, f", [(96, 160), (128, 64)])
+def test_wgmma_kernels_give_the_few_pairs_bits(d, f):
+    """The wgmma kernels (one warpgroup a block, the simulator's wgmma: mma_bf16 over the tokens in shared memory)
+    at 16 tokens a pass, one expert holding all 37 tokens (three passes, the last partly empty): d = 96, f = 160
+    (K's chunks not whole stages: one chunk a stage; gate_up's third block and down's block partly past f and d),
+    and d = 128, f = 64 (gate_up two chunks a stage): FEW_PAIRS_CONFIG's bits for every token."""
+    rng = np.random.default_rng(21)
+    s = 37
+    x, ids, weights, gate_up, down = random_case(rng, s, d, f, 4, 2, one_expert_for_all=True)
+    gate_up_d, down_d = on_device(gate_up, down)
+    few, other = (moe_experts(x, ids, weights, gate_up_d, down_d, out=poisoned((s, d)), tensor_cores=True,
+                              config=c).copy_to_host() for c in (FEW_PAIRS_CONFIG, WgmmaConfig(16, 2, 2)))
+    assert not np.isnan(other).any()
+    assert np.array_equal(few.view(np.uint32), other.view(np.uint32)), f"max |diff| {np.abs(few - other).max():.3g}"
+
+
+@pytest.mark.sim
 def test_launch_shapes_refuse_what_they_cannot_hold():
     with pytest.raises(ValueError, match="warps_t"):
         StagedConfig(0, 4, 2)
@@ -165,6 +195,10 @@ def test_launch_shapes_refuse_what_they_cannot_hold():
         StagedConfig(4, 4, 8, 8, 16)  # 16 stages of 512 weight rows and 256 tokens: 768 KB
     with pytest.raises(ValueError, match="chunks_per_stage"):
         StagedConfig(2, 2, 2, 2, 4, 0)
+    with pytest.raises(ValueError, match="tokens"):
+        WgmmaConfig(12)  # a wgmma's N: a multiple of 8
+    with pytest.raises(ValueError, match="shared memory"):
+        WgmmaConfig(128, 16, 4)
     with pytest.raises(ValueError, match="multiple of 16"):
         fragment_layout(np.zeros((2, 24, 64), np.uint16))
 
@@ -195,10 +229,12 @@ def test_k2_dims_tensor_core_experts(s):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [StagedConfig(5, 2, 2, 2, 3, 2), StagedConfig(4, 2, 4, 4, 3)], ids=str)
+@pytest.mark.parametrize("config", [StagedConfig(5, 2, 2, 2, 3, 2), StagedConfig(4, 2, 4, 4, 3), WgmmaConfig()],
+                         ids=str)
 def test_k2_dims_other_staged_shapes_give_the_few_pairs_bits(config):
-    """Candidates for MANY_PAIRS_CONFIG (two chunks a stage; warps of 32 tokens x 64 rows) compiled for the GPU
-    at Kimi K2's d and f (224 and 64 chunks: whole stages), 64 tokens on 8 experts: FEW_PAIRS_CONFIG's bits."""
+    """Candidates for MANY_PAIRS_CONFIG (two chunks a stage; warps of 32 tokens x 64 rows; the wgmma kernels)
+    compiled for the GPU at Kimi K2's d and f (224 and 64 chunks: whole stages), 64 tokens on 8 experts:
+    FEW_PAIRS_CONFIG's bits."""
     rng = np.random.default_rng(64)
     x, ids, weights, gate_up, down = random_case(rng, 64, 7168, 2048, 8, 8)
     assert config.stage_fits(7168 // 32) and config.stage_fits(2048 // 32)

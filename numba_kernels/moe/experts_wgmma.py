@@ -1,0 +1,225 @@
+"""The routed experts' products on wgmma (Hopper, sm_90a): experts_tc.py's staged kernels with the tensor core's
+asynchronous warpgroup mma in place of each warp's mma.sync (read experts_tc.py first: plan, K order, K split,
+work items and outputs are its own).
+
+A block is one warpgroup (WgmmaConfig). Per stage of chunks_per_stage 32-column chunks it copies, by cp.async, its
+8 weight tiles (fragment_layout, 1 KB a tile a chunk, as the staged kernels do) and its pass's ``tokens`` tokens
+into one slot of shared memory. Warp w owns two weight tiles, tile w and tile 4 + w of the slot (gate_up: gate rows
+16 w .. of the block's 64 and the matching up rows; down: output rows 32 w .. 32 w + 15 and the 16 after them):
+each k-step its lanes load their A fragments from the slot (as a staged warp does) and the warpgroup issues two
+wgmma m64nNk16 (N = tokens), A from those registers, B the pass's tokens straight from shared memory. The tensor
+core runs them while the warps go on; the warps wait for them once a stage, before the slot is refilled.
+
+The tokens' layout. A wgmma reads B as core matrices, 8 tokens x 16 contiguous bytes along K, where the staged
+kernels give lane (g, tq) of k-step j the columns 8 tq + 4 j .. 8 tq + 4 j + 3 (logical k 2tq, 2tq + 1 and 2tq + 8,
+2tq + 9). So the tokens are stored in transposed_word's order (x by _round_to_bf16, act by the wgmma gate_up): the
+chunk's quarter 2 j + h is then row h of k-step j's core matrices, and a slot holds, per chunk and quarter, the
+pass's tokens in order, 16 bytes each (a token's copy lands where the next token's ends: no bank conflicts). A
+k-step's descriptor points at quarter 2 j: the next quarter (k 8..15) is ``tokens`` x 16 bytes on, the next 8
+tokens 128 bytes on.
+
+Bits: each k-step gives every token the products and the order of the staged kernels' mma.sync (wgmma.py: the same
+bits), the K_SPLIT shares sum in fresh accumulators and fold in share order, so a token gets FEW_PAIRS_CONFIG's bits
+here too: DDTree stays equal to AR with this kernel in the verify. Accumulator register 4 m + c of a tile is mma.sync's
+C entry c of token tile m, so experts_tc.store_functions stores them.
+"""
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, float32, int32, int64, uint32, uint64
+
+from kdspec.numba_kernels import kernel_cache
+from kdspec.numba_kernels.mma import (BF16_SCRATCH_PER_WARP, WARP, address_units, copy16_at, copy_commit, copy_wait,
+                                      global_address, shared_address)
+from kdspec.numba_kernels.moe.experts_tc import (STAGE_ALIGNMENT, STEP_WORDS, TILE_ROWS, TILE_WORDS, WgmmaConfig,
+                                                 load_fragment, locate_pass, share_stages, store_functions)
+from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function, static_for
+from kdspec.numba_kernels.wgmma import (CORE_BYTES, CORE_ROW_BYTES, descriptor_base, fence_function,
+                                        fence_shared_for_wgmma, mma_function, wait_function)
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_kernels(config: WgmmaConfig):
+    """(gate_up, down) kernels for one WgmmaConfig, with experts_tc's staged kernels' arguments (tokens in
+    transposed_word's order; gate_up writes act in it too)."""
+    n_tokens, stages, per_stage = config.tokens, config.stages, config.chunks_per_stage
+    threads, staged_tiles = config.threads, config.staged_tiles
+    tile_words = TILE_WORDS * per_stage           # uint64 of one weight tile's stage
+    weight_words = tile_words * staged_tiles      # a slot's weight tiles; its tokens follow
+    slot_words = weight_words + 8 * per_stage * n_tokens
+    half = n_tokens // 2                          # accumulators a tile: a wgmma's N / 2
+    acc_size = 2 * half
+    a_words = 16 * per_stage                      # uint32 a lane: 2 tiles x 2 k-steps x 4 per chunk
+    tile_pieces = tile_words // 2                 # 16-byte copies of a tile's stage
+    weight_pieces = tile_pieces * staged_tiles
+    token_pieces = 4 * per_stage * n_tokens
+    weight_copies = -(-weight_pieces // threads)  # 16-byte copies a thread a stage
+    token_copies = -(-token_pieces // threads)
+    scratch_size = threads // WARP * BF16_SCRATCH_PER_WARP if ON_SIMULATOR else 1
+    lead_bytes = n_tokens * CORE_ROW_BYTES        # from a k-step's k 0..7 to its k 8..15
+    mma = mma_function(n_tokens, lead_bytes, CORE_BYTES)
+    descriptor_high = descriptor_base(lead_bytes, CORE_BYTES)
+    fence = fence_function(a_words, acc_size)
+    wait_all = wait_function(0, acc_size)
+    wait_for_stage = copy_wait(stages - 2)
+    word = address_units(8)
+    piece_step = 2 * word * threads
+
+    def copy_weight_piece(i, args):
+        slots, slot_at, w, weight_from, stage_offset = args
+        if (i + 1) * threads <= weight_pieces or cuda.threadIdx.x + i * threads < weight_pieces:
+            copy16_at(slots, slot_at + i * piece_step, w, weight_from[i] + stage_offset)
+
+    def copy_token_piece(i, args):
+        """Token copy i: none past the pass's tokens (token_valid bit i), whose columns reach only outputs never
+        stored (each output column of a wgmma is its own token's)."""
+        slots, slot_at, tokens, token_from, stage_offset, token_valid = args
+        if (token_valid >> i) & 1:
+            copy16_at(slots, slot_at + i * piece_step, tokens, token_from[i] + stage_offset)
+
+    copy_weight_pieces = static_for(weight_copies, device_function(**INLINE_DEVICE)(copy_weight_piece))
+    copy_token_pieces = static_for(token_copies, device_function(**INLINE_DEVICE)(copy_token_piece))
+
+    @device_function(**INLINE_DEVICE)
+    def copy_stage(slots, slot_at, stage, w, weight_from, tokens, token_from, token_valid):
+        copy_weight_pieces((slots, slot_at, w, weight_from, int64(stage) * (tile_words * word)))
+        copy_token_pieces((slots, slot_at + weight_words * word, tokens, token_from,
+                           int64(stage) * (8 * per_stage * word), token_valid))
+
+    def load_fragments(i, args):
+        """The lane's A fragment of k-step j = i % 2 of tile t = i // 2 % 2 of chunk u = i // 4 of the slot at words
+        ``at`` into a[4 i ..] (tile t is slot tile warp + 4 t)."""
+        slots, at, a = args
+        u, t, j = i // 4, i // 2 % 2, i % 2
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        load_fragment(slots, at + tile_words * (warp + 4 * t) + TILE_WORDS * u + STEP_WORDS * j + 2 * lane, True, a,
+                      4 * i)
+
+    def tile_mma(i, args):
+        """Tile t = i % 2's wgmma of k-step j = i // 2 % 2 of chunk u = i // 4 (k-step order, both tiles a step)."""
+        acc, a, slots, tokens_at, scratch = args
+        u, j, t = i // 4, i // 2 % 2, i % 2
+        at = 4 * (4 * u + 2 * t + j)
+        b_at = tokens_at + (4 * u + 2 * j) * (n_tokens * 2 * word)
+        mma(acc, half * t, a[at], a[at + 1], a[at + 2], a[at + 3], slots, b_at, descriptor_high, scratch)
+
+    load_stage_fragments = static_for(4 * per_stage, device_function(**INLINE_DEVICE)(load_fragments))
+    stage_mma = static_for(4 * per_stage, device_function(**INLINE_DEVICE)(tile_mma))
+
+    @device_function(**INLINE_DEVICE)
+    def stage_products(slots, slot_words_at, slot_address, acc, a, scratch):
+        """The stage in the slot at words slot_words_at (shared address slot_address): issued, then waited for."""
+        load_stage_fragments((slots, slot_words_at, a))
+        fence(a, acc)
+        stage_mma((acc, a, slots, slot_address + weight_words * word, scratch))
+        wait_all(acc)
+
+    def fold(o, args):
+        acc, total, first = args
+        total[o] = acc[o] if first else total[o] + acc[o]
+        acc[o] = float32(0.0)
+
+    def zero(o, acc):
+        acc[o] = float32(0.0)
+
+    fold_all = static_for(acc_size, device_function(**INLINE_DEVICE)(fold))
+    zero_all = static_for(acc_size, device_function(**INLINE_DEVICE)(zero))
+
+    def make_kernel(gate_up: bool):
+        rows_per_block = config.rows_per_block(gate_up)
+        store_act_all, store_down_all = store_functions(2, n_tokens // 8, transposed=gate_up)
+
+        @kernel_cache.jit
+        def kernel(tokens, w, w_tiles, n_chunks, f, k, expert_offsets, sorted_pairs, active_experts, n_active,
+                   out):
+            """Arguments and output as experts_tc's staged kernels; grid (ceil(f / 64) (gate_up) or ceil(d / 128)
+            (down), row_blocks(work_items(...))); 128 threads."""
+            slots = cuda.shared.array(0, uint64, alignment=STAGE_ALIGNMENT)  # [stages, slot_words], dynamic
+            scratch = cuda.shared.array(scratch_size, float32)
+            item_passes = cuda.shared.array(threads, int32)
+            item_found = cuda.shared.array(2, int32)
+            acc = cuda.local.array(acc_size, float32)
+            total = cuda.local.array(acc_size, float32)
+            a = cuda.local.array(a_words, uint32)
+            weight_from = cuda.local.array(weight_copies, int64)  # the stage-0 address of each copy
+            token_from = cuda.local.array(token_copies, int64)
+            tid = cuda.threadIdx.x
+            first_slot_at = shared_address(slots, 2 * tid)   # this thread's first piece of slot 0
+            slots_address = shared_address(slots, 0)
+            warp = tid // WARP
+            first_row = cuda.blockIdx.x * rows_per_block
+            first_tile = first_row // TILE_ROWS
+            warp_column = first_row + (TILE_ROWS if gate_up else 2 * TILE_ROWS) * warp
+            token_words = tokens.shape[2]
+            k_stages, share, n_stages = share_stages(n_chunks, per_stage)
+            item = cuda.blockIdx.y
+            actives = n_active[0]
+            while True:  # block-uniform: the block syncs
+                expert, base, end = locate_pass(item, actives, expert_offsets, active_experts, n_tokens, item_passes,
+                                                item_found)
+                if expert < 0:
+                    break
+                for i in range(weight_copies):
+                    piece = tid + i * threads
+                    staged = piece // tile_pieces % staged_tiles  # slot tile: warp staged % 4's tile staged // 4
+                    owner, second = staged % 4, staged // 4
+                    if gate_up:  # gate tile first_tile + owner, its up tile f / 16 on
+                        valid = first_tile + owner < f // TILE_ROWS
+                        source = first_tile + owner + (f // TILE_ROWS if second else 0)
+                    else:  # output rows 32 owner + 16 second ..
+                        source = first_tile + 2 * owner + second
+                        valid = source < w_tiles
+                    if not valid:
+                        # a tile past f or d copies the block's first tile again (from L2): its rows reach only
+                        # outputs never stored
+                        source = first_tile
+                    weight_from[i] = global_address(w, (int64(expert) * w_tiles + source) * n_chunks * TILE_WORDS
+                                                    + 2 * (piece % tile_pieces))
+                token_valid = int32(0)
+                for i in range(token_copies):
+                    piece = tid + i * threads
+                    token = piece % n_tokens            # the slot holds quarter by quarter, token by token
+                    quarter = piece // n_tokens         # chunk quarter // 4 of the stage, quarter quarter % 4
+                    pair = min(base + token, end - 1)
+                    row = sorted_pairs[pair] // k if gate_up else pair
+                    token_from[i] = global_address(tokens, row * token_words + 8 * (quarter // 4)
+                                                   + 2 * (quarter % 4))
+                    if piece < token_pieces and base + token < end:
+                        token_valid |= int32(1) << i
+                for stage in range(stages - 1):  # prologue: stages - 1 stages in flight
+                    if stage < k_stages:
+                        copy_stage(slots, first_slot_at + stage * (slot_words * word), int32(stage), w, weight_from,
+                                   tokens, token_from, token_valid)
+                    copy_commit()
+                zero_all(acc)
+                slot, fill_slot, share_left, first_share = int32(0), int32(stages - 1), int32(share), True
+                stage = int32(0)
+                while stage < n_stages:
+                    wait_for_stage()
+                    fence_shared_for_wgmma()  # this thread's landed copies visible to the wgmma of every warp
+                    cuda.syncthreads()  # every copy of the stage landed; the slot refilled next was read and waited for
+                    if int32(stage + stages - 1) < k_stages:
+                        copy_stage(slots, first_slot_at + fill_slot * (slot_words * word), int32(stage + stages - 1),
+                                   w, weight_from, tokens, token_from, token_valid)
+                    copy_commit()
+                    fill_slot = int32(0) if fill_slot == stages - 1 else int32(fill_slot + 1)
+                    if stage < k_stages:  # a share padded past K skips its stages there
+                        stage_products(slots, int32(slot * slot_words), slots_address + slot * (slot_words * word),
+                                       acc, a, scratch)
+                    slot = int32(0) if slot == stages - 1 else int32(slot + 1)
+                    share_left = int32(share_left - 1)
+                    if share_left == 0:
+                        fold_all((acc, total, first_share))
+                        first_share, share_left = False, int32(share)
+                    stage = int32(stage + 1)
+                if gate_up:
+                    store_act_all((total, out, base, end, warp_column, f))
+                else:
+                    store_down_all((total, out, sorted_pairs, base, end, warp_column))
+                cuda.syncthreads()  # the next pass's prologue refills the slots
+                item += cuda.gridDim.y
+        return kernel
+
+    return make_kernel(True), make_kernel(False)
