@@ -384,9 +384,10 @@ def locate_pass(item, actives, expert_offsets, active_experts, tokens_per_pass, 
     the expert's end), expert -1 past the last item."""
     active, items_before = locate_item(item, actives, expert_offsets, active_experts, tokens_per_pass, passes, found)
     if active >= actives:
-        return -1, 0, 0
+        return int32(-1), int32(0), int32(0)
     expert = active_experts[active]
-    return expert, expert_offsets[expert] + (item - items_before) * tokens_per_pass, expert_offsets[expert + 1]
+    return (int32(expert), int32(expert_offsets[expert] + (item - items_before) * tokens_per_pass),
+            int32(expert_offsets[expert + 1]))
 
 
 @device_function(**INLINE_DEVICE)
