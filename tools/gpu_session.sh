@@ -38,6 +38,9 @@
 #                                          # 128, 256: MANY_PAIRS_CONFIG and STAGED_CONFIGS against an earlier
 #                                          # experts_tc.py (git show REV:numba_kernels/moe/experts_tc.py > FILE,
 #                                          # untracked so that it travels), times and bits side by side
+#     bash tools/gpu_session.sh wgmma-experts  # the wgmma experts (experts_wgmma.py): wgmma's bits at N = 64, the
+#                                          # kernels beside MANY_PAIRS_CONFIG at s = 256 / 128 / 64 under k2-mini-
+#                                          # like routing (WGMMA_CONFIGS: "wgmma:64,4,2;wgmma:64,3,2"), their tests
 #     bash tools/gpu_session.sh moe-graphs  # kdtree bench moe, then the tensor-core experts' launch shapes at K2's
 #                                          # 384 experts as graph replays (MOE_CONFIGS: which, e.g. t0,t8)
 #     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
@@ -45,7 +48,7 @@
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-groups="record-k2|ar-kernels|attention-tc|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|experts-against|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec"  # the one list of groups: usage and the unknown-group message
+groups="record-k2|ar-kernels|attention-tc|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|experts-against|wgmma-experts|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec"  # the one list of groups: usage and the unknown-group message
 group=${1:?usage: tools/gpu_session.sh $groups}
 case "|$groups|" in
 *"|$group|"*) ;;
@@ -222,6 +225,13 @@ experts-against)
     step experts-against 540 python3 -W ignore tools/experts_probe.py --tokens 64,128,256 \
         --time "${STAGED_CONFIGS:-5,2,2,2,3,2;4,2,2,4,4;4,2,2,4,3,2;2,4,4,2,3,2;4,2,4,4,3}" --against "${AGAINST:?AGAINST=an earlier experts_tc.py}"
     grep -a -E "^s= *[0-9]+ " "$log" | cut -c1-150
+    ;;
+wgmma-experts)
+    step wgmma-probe 60 python3 -W ignore tools/wgmma_probe.py --n 64 --trials 10
+    step wgmma-time 300 python3 -W ignore tools/experts_probe.py --skew 2.5 --tokens 256,128,64 \
+        --time "${WGMMA_CONFIGS:-wgmma:64,4,2;wgmma:64,3,2}"
+    step wgmma-tests 180 python3 -m pytest -q -x -m "sim or gpu" tests/kernels/test_moe_tc.py -k wgmma
+    grep -a -E "bit-identical|max \||^s= *[0-9]+ | passed| failed" "$log" | cut -c1-150
     ;;
 moe-graphs)
     step bench-moe 240 "${kdtree[@]}" bench moe
