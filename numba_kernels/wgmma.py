@@ -27,7 +27,7 @@ import functools
 from numba import cuda, types, uint32, uint64
 
 from kdspec.numba_kernels.mma import WARP, mma_bf16
-from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function
+from kdspec.numba_kernels.runtime import ON_SIMULATOR, device_function
 
 WARPGROUP = 4 * WARP
 CORE_ROW_BYTES = 16   # a core matrix row: 8 bf16 along k

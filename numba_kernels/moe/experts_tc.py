@@ -117,6 +117,13 @@ class TcConfig:
         return tc_kernels(self)
 
 
+def whole_stages(n_chunks: int, chunks_per_stage: int) -> bool:
+    """Whether a K of n_chunks chunks and its K_SPLIT shares are whole stages of chunks_per_stage chunks (else the
+    launcher runs a staged config with one chunk a stage: the same bits)."""
+    share = -(-n_chunks // K_SPLIT)
+    return n_chunks % chunks_per_stage == 0 and share % chunks_per_stage == 0
+
+
 @dataclass(frozen=True)
 class StagedConfig:
     """Launch shape of the staged kernels (staged_kernels): warps_t x warps_w warps, each owning token_tiles
@@ -163,10 +170,7 @@ class StagedConfig:
         return self.stages * self.chunks_per_stage * (self.staged_tiles * TILE_ROWS + self.tokens_per_pass) * CHUNK * 2
 
     def stage_fits(self, n_chunks: int) -> bool:
-        """Whether a K of n_chunks chunks and its K_SPLIT shares are whole stages (else the launcher runs this
-        config with one chunk a stage: the same bits)."""
-        share = -(-n_chunks // K_SPLIT)
-        return n_chunks % self.chunks_per_stage == 0 and share % self.chunks_per_stage == 0
+        return whole_stages(n_chunks, self.chunks_per_stage)
 
     def rows_per_block(self, gate_up: bool) -> int:
         return TILE_ROWS * self.staged_tiles // (2 if gate_up else 1)
@@ -207,10 +211,10 @@ class WgmmaConfig:
         return self.stages * self.chunks_per_stage * (self.staged_tiles * TILE_ROWS + self.tokens) * CHUNK * 2
 
     def stage_fits(self, n_chunks: int) -> bool:
-        return StagedConfig.stage_fits(self, n_chunks)
+        return whole_stages(n_chunks, self.chunks_per_stage)
 
     def rows_per_block(self, gate_up: bool) -> int:
-        return TILE_ROWS * self.staged_tiles // 2 if gate_up else TILE_ROWS * self.staged_tiles
+        return TILE_ROWS * self.staged_tiles // (2 if gate_up else 1)
 
     def kernels(self):
         from kdspec.numba_kernels.moe.experts_wgmma import wgmma_kernels  # (it imports this module's helpers)
