@@ -711,7 +711,7 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, out=None, a
     added to ``out`` (e.g. holding the shared expert's output). ``plan``: an ExpertPlan to reuse;
     ``config``: an ExpertsConfig (launch shape; default: default_config(s * k, e)). ``tensor_cores``: the
     products in bf16 on the tensor cores (experts_tc.py: bf16 weights, d and f multiples of 32); ``config`` is
-    then a TcConfig or StagedConfig (default: experts_tc.tc_config_for), and the weights must be in
+    then a TcConfig, StagedConfig or WgmmaConfig (default: experts_tc.tc_config_for), and the weights must be in
     experts_tc.fragment_layout.
     """
     x = as_device(x, "x")

@@ -846,7 +846,10 @@ def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, 
     """experts.grouped_swiglu on the tensor cores. Arguments already checked as there, plus: bf16 weight views
     (weight_view) of weights in fragment_layout, C-contiguous; d and f multiples of 32; x, act, pair_out and the
     weights 16-byte aligned; act and pair_out C-contiguous (their storage also holds bf16 act and bf16 x).
-    ``config``: a TcConfig or StagedConfig (default: tc_config_for)."""
+    ``config``: a TcConfig, StagedConfig or (on Hopper, sm_90) WgmmaConfig (default: tc_config_for)."""
+    if isinstance(config, WgmmaConfig) and not ON_SIMULATOR and cuda.get_current_device().compute_capability[0] != 9:
+        raise ValueError(f"the wgmma experts need a Hopper GPU (compute capability 9.x), not "
+                         f"{'.'.join(map(str, cuda.get_current_device().compute_capability))}")
     (gate_view, gate_bf16), (down_view, down_bf16) = w_gate_up, w_down
     s, d = x.shape
     n_pairs, f = act.shape
