@@ -343,7 +343,17 @@ def tile_products(acc, n, n_tiles, weights, at, b, scratch):
 
 
 @device_function(**INLINE_DEVICE)
-def _zero(o, acc):
+def zero_accumulator(o, acc):
+    acc[o] = float32(0.0)
+
+
+@device_function(**INLINE_DEVICE)
+def fold_share(o, args):
+    """The staged kernels' K split: total[o] = the first share's sum acc[o], then total[o] + each later share's, in
+    share order (the order in which tc_kernels adds its warps' partial sums); acc[o] zeroed. args: (acc, total,
+    first)."""
+    acc, total, first = args
+    total[o] = acc[o] if first else total[o] + acc[o]
     acc[o] = float32(0.0)
 
 
@@ -485,7 +495,7 @@ def tc_kernels(config: TcConfig):
         load_tiles((tokens, source_rows, word, valid, n_used, tiles))
         tiles_mma((acc, weights, at, n_used, tiles, scratch))
 
-    zero_all = static_for(acc_size, _zero)
+    zero_all = static_for(acc_size, zero_accumulator)
 
     def load_chunk(i, args):
         """Chunk chunk + i of a step into weights[16 i ..] (zeros past the warp's share of K)."""
@@ -653,7 +663,7 @@ def staged_kernels(config: StagedConfig):
     scratch_size = threads // WARP * BF16_SCRATCH_PER_WARP if ON_SIMULATOR else 1
     jit_options = dict(max_registers=config.max_registers) if config.max_registers and not ON_SIMULATOR else {}
     wait_for_stage = copy_wait(stages - 2)
-    zero_all = static_for(acc_size, _zero)
+    zero_all = static_for(acc_size, zero_accumulator)
 
     word = address_units(8)  # a uint64's step in a copy16_at address
     piece_step = 2 * word * threads  # from this thread's copy i to its copy i + 1: threads 16-byte pieces on
@@ -720,13 +730,7 @@ def staged_kernels(config: StagedConfig):
 
     stage_products = static_for(per_stage, device_function(**INLINE_DEVICE)(chunk_products))
 
-    def fold(o, args):
-        """total = the first share's sum, then total + each later share's, in share order; acc zeroed."""
-        acc, total, first = args
-        total[o] = acc[o] if first else total[o] + acc[o]
-        acc[o] = float32(0.0)
-
-    fold_all = static_for(acc_size, device_function(**INLINE_DEVICE)(fold))
+    fold_all = static_for(acc_size, fold_share)
     store_act_all, store_down_all = store_functions(weight_tiles, token_tiles)
 
     def make_kernel(gate_up: bool):

@@ -33,7 +33,8 @@ from kdspec.numba_kernels import kernel_cache
 from kdspec.numba_kernels.mma import (BF16_SCRATCH_PER_WARP, WARP, address_units, copy16_at, copy_commit, copy_wait,
                                       global_address, shared_address)
 from kdspec.numba_kernels.moe.experts_tc import (STAGE_ALIGNMENT, STEP_WORDS, TILE_ROWS, TILE_WORDS, WgmmaConfig,
-                                                 load_fragment, locate_pass, share_stages, store_functions)
+                                                 fold_share, load_fragment, locate_pass, share_stages, store_functions,
+                                                 zero_accumulator)
 from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function, static_for
 from kdspec.numba_kernels.wgmma import (CORE_BYTES, CORE_ROW_BYTES, descriptor_base, fence_function,
                                         fence_shared_for_wgmma, mma_function, wait_function)
@@ -116,16 +117,8 @@ def wgmma_kernels(config: WgmmaConfig):
         stage_mma((acc, a, slots, slot_address + weight_words * word, scratch))
         wait_all(acc)
 
-    def fold(o, args):
-        acc, total, first = args
-        total[o] = acc[o] if first else total[o] + acc[o]
-        acc[o] = float32(0.0)
-
-    def zero(o, acc):
-        acc[o] = float32(0.0)
-
-    fold_all = static_for(acc_size, device_function(**INLINE_DEVICE)(fold))
-    zero_all = static_for(acc_size, device_function(**INLINE_DEVICE)(zero))
+    fold_all = static_for(acc_size, fold_share)
+    zero_all = static_for(acc_size, zero_accumulator)
 
     def make_kernel(gate_up: bool):
         rows_per_block = config.rows_per_block(gate_up)
