@@ -11,6 +11,7 @@ few-pairs bits; the fragment layout of a torch tensor.
 import numpy as np
 import pytest
 from numba import cuda
+from numba.cuda import config as config_module
 
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.numba_kernels.moe.experts import moe_experts
@@ -19,6 +20,13 @@ from kdspec.numba_kernels.moe.experts_tc import (FEW_PAIRS_CONFIG, K_SPLIT, MANY
                                                  tc_config_for, transposed_word)
 
 from kernel_checks import assert_close, poisoned
+
+
+def skip_without_wgmma(config):
+    """wgmma runs on Hopper (compute capability 9.x), or as its model under the simulator."""
+    if isinstance(config, WgmmaConfig) and not config_module.ENABLE_CUDASIM \
+            and cuda.get_current_device().compute_capability[0] != 9:
+        pytest.skip("the wgmma experts need a Hopper GPU")
 
 
 def bf16(a):
@@ -173,6 +181,7 @@ def test_wgmma_kernels_give_the_few_pairs_bits(d, f):
     at 16 tokens a pass, one expert holding all 37 tokens (three passes, the last partly empty): d = 96, f = 160
     (K's chunks not whole stages: one chunk a stage; gate_up's third block and down's block partly past f and d),
     and d = 128, f = 64 (gate_up two chunks a stage): FEW_PAIRS_CONFIG's bits for every token."""
+    skip_without_wgmma(WgmmaConfig())
     rng = np.random.default_rng(21)
     s = 37
     x, ids, weights, gate_up, down = random_case(rng, s, d, f, 4, 2, one_expert_for_all=True)
@@ -235,6 +244,7 @@ def test_k2_dims_other_staged_shapes_give_the_few_pairs_bits(config):
     """Candidates for MANY_PAIRS_CONFIG (two chunks a stage; warps of 32 tokens x 64 rows; the wgmma kernels)
     compiled for the GPU at Kimi K2's d and f (224 and 64 chunks: whole stages), 64 tokens on 8 experts:
     FEW_PAIRS_CONFIG's bits."""
+    skip_without_wgmma(config)
     rng = np.random.default_rng(64)
     x, ids, weights, gate_up, down = random_case(rng, 64, 7168, 2048, 8, 8)
     assert config.stage_fits(7168 // 32) and config.stage_fits(2048 // 32)
