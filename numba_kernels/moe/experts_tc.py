@@ -846,12 +846,19 @@ def supports(d: int, f: int) -> bool:
     return d % CHUNK == 0 and f % CHUNK == 0
 
 
+@functools.lru_cache(maxsize=None)
+def runs_wgmma() -> bool:
+    """Whether the wgmma kernels run here: on Hopper (compute capability 9.x), or as their model under the
+    simulator (asked once: the launcher checks it every launch of a WgmmaConfig)."""
+    return ON_SIMULATOR or cuda.get_current_device().compute_capability[0] == 9
+
+
 def grouped_swiglu_tc(x, k, plan: ExpertPlan, w_gate_up, w_down, act, pair_out, stream=0, config=None):
     """experts.grouped_swiglu on the tensor cores. Arguments already checked as there, plus: bf16 weight views
     (weight_view) of weights in fragment_layout, C-contiguous; d and f multiples of 32; x, act, pair_out and the
     weights 16-byte aligned; act and pair_out C-contiguous (their storage also holds bf16 act and bf16 x).
     ``config``: a TcConfig, StagedConfig or (on Hopper, sm_90) WgmmaConfig (default: tc_config_for)."""
-    if isinstance(config, WgmmaConfig) and not ON_SIMULATOR and cuda.get_current_device().compute_capability[0] != 9:
+    if isinstance(config, WgmmaConfig) and not runs_wgmma():
         raise ValueError(f"the wgmma experts need a Hopper GPU (compute capability 9.x), not "
                          f"{'.'.join(map(str, cuda.get_current_device().compute_capability))}")
     (gate_view, gate_bf16), (down_view, down_bf16) = w_gate_up, w_down

@@ -11,21 +11,18 @@ few-pairs bits; the fragment layout of a torch tensor.
 import numpy as np
 import pytest
 from numba import cuda
-from numba.cuda import config as config_module
 
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.numba_kernels.moe.experts import moe_experts
 from kdspec.numba_kernels.moe.experts_tc import (FEW_PAIRS_CONFIG, K_SPLIT, MANY_PAIRS_CONFIG, MID_PAIRS_CONFIG,
                                                  StagedConfig, TcConfig, WgmmaConfig, fragment_layout, supports,
-                                                 tc_config_for, transposed_word)
+                                                 runs_wgmma, tc_config_for, transposed_word)
 
 from kernel_checks import assert_close, poisoned
 
 
 def skip_without_wgmma(config):
-    """wgmma runs on Hopper (compute capability 9.x), or as its model under the simulator."""
-    if isinstance(config, WgmmaConfig) and not config_module.ENABLE_CUDASIM \
-            and cuda.get_current_device().compute_capability[0] != 9:
+    if isinstance(config, WgmmaConfig) and not runs_wgmma():
         pytest.skip("the wgmma experts need a Hopper GPU")
 
 
