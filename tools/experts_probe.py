@@ -1,5 +1,6 @@
-"""Three moe_experts calls at k2-mini's 32 experts, s = 256, with MANY_PAIRS_CONFIG: a small process to put under
-Nsight Compute (tools/gpu_session.sh ncu-experts); with --sass, the staged gate_up kernel's SASS instruction mix
+"""Three moe_experts calls at k2-mini's 32 experts, s = 256, with MANY_PAIRS_CONFIG (or --config TEXT, as
+experts_sass.py reads it: "wgmma:64,4,2"): a small process to put under Nsight Compute (tools/gpu_session.sh
+ncu-experts); with --sass, the staged gate_up kernel's SASS instruction mix
 (numba-cuda's inspect_sass: needs nvdisasm on PATH), the whole SASS written to $OUT/staged_gate_up.sass when OUT is
 set. With --time "warps_t,warps_w,token_tiles,weight_tiles,stages;..." [--tokens 64,128,256]: the tensor-core
 kernels alone (grouped_swiglu_tc, CUDA events) at each token count for each StagedConfig (or "wgmma:N,S,C", a
@@ -96,6 +97,9 @@ if "--time" in sys.argv:
     time_configs([config] + [config_from_text(c) for c in spec.split(";") if c],
                  [int(t) for t in tokens.split(",")], against, skew)
     sys.exit(0)
+if "--config" in sys.argv:
+    from tools.experts_sass import config_from_text  # (run from the repository root)
+    config = config_from_text(sys.argv[sys.argv.index("--config") + 1])
 for _ in range(3):
     moe.moe_experts(x, ids, w, gate_up, down, tensor_cores=True, config=config)
 cuda.synchronize()

@@ -18,7 +18,8 @@
 #                                          # experts, e2e, the k2-mini invariance test, K2's 384 experts
 #     bash tools/gpu_session.sh experts-tc-e2e  # the same without the sweeps
 #     bash tools/gpu_session.sh ncu-experts  # Nsight Compute on the staged expert kernels: time, instructions,
-#                                          # issue and tensor-pipe activity, stall reasons (tools/experts_probe.py)
+#                                          # issue and tensor-pipe activity, stall reasons, DRAM / L2 / L1 throughput
+#                                          # (tools/experts_probe.py; NCU_CONFIG: another shape, e.g. wgmma:64,4,2)
 #     bash tools/gpu_session.sh device-steps  # whole steps on the device: their tests (tiny: captured graphs
 #                                          # against the stages one by one; k2-mini decodes), then bench e2e
 #     bash tools/gpu_session.sh host-turns  # per step, unprofiled: the host's turn from the results read to the next
@@ -158,9 +159,10 @@ ncu-experts)
     step ncu-experts 200 /usr/local/cuda/bin/ncu --kernel-name regex:"^kernel" --launch-count 2 --section SpeedOfLight \
         --section Occupancy --metrics "${stalls}smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,\
 smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active" \
-        python3 tools/experts_probe.py
+        python3 tools/experts_probe.py ${NCU_CONFIG:+--config "$NCU_CONFIG"}
     PATH=$PATH:/usr/local/cuda/bin step sass-experts 100 python3 tools/experts_probe.py --sass
-    grep -a -E "  kernel|stalled|inst_exec|duration|dram__|issue_active|hmma|SASS|Theoretical Occ" "$log" | cut -c1-160
+    grep -a -E "  kernel|stalled|inst_exec|duration|dram__|issue_active|hmma|SASS|Theoretical Occ|Throughput" "$log" \
+        | cut -c1-160
     ;;
 device-steps)
     step device-steps-tests 200 python3 -m pytest -q -m "sim or gpu" tests/engine/test_device_steps.py \
