@@ -12,7 +12,7 @@ without the share fold, which the loop runs only a few times a pass.
     python3 tools/experts_sass.py --attention [--config STAGES,BLOCKS_PER_SM,KEY_GROUPS]
 
 --config: four numbers are a TcConfig (streaming), five to seven a StagedConfig (staged), wgmma[:TOKENS,STAGES,
-CHUNKS_PER_STAGE] a WgmmaConfig (experts_wgmma.py); default MANY_PAIRS_CONFIG. --attention: the batch-invariant
+CHUNKS_PER_STAGE[,SHARED_TOTALS]] a WgmmaConfig (experts_wgmma.py); default MANY_PAIRS_CONFIG. --attention: the batch-invariant
 tensor-core attention (attention/invariant_tc.py) instead, its TcAttentionConfig (default DEFAULT_CONFIG), the
 prefix length on the device as a captured step has it. Needs ptxas (the CUDA toolkit) on PATH, and nvdisasm and
 libnvrtc, which pip can fetch without installing anything:
@@ -89,7 +89,8 @@ def config_from_text(text: str | None):
         return tc.MANY_PAIRS_CONFIG
     if text.startswith("wgmma"):
         rest = text[len("wgmma"):].lstrip(":")
-        return tc.WgmmaConfig(*(int(n) for n in rest.split(",") if n))
+        numbers = [int(n) for n in rest.split(",") if n]
+        return tc.WgmmaConfig(*numbers[:3], *(bool(n) for n in numbers[3:]))
     numbers = tuple(int(n) for n in text.split(","))
     if len(numbers) == 4:
         return tc.TcConfig(*numbers)
@@ -154,7 +155,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None,
                         help="TcConfig (4 numbers), StagedConfig (5-7), comma-separated, or wgmma[:TOKENS,STAGES,"
-                             "CHUNKS_PER_STAGE] (WgmmaConfig)")
+                             "CHUNKS_PER_STAGE[,SHARED_TOTALS 0/1]] (WgmmaConfig)")
     parser.add_argument("--down", action="store_true", help="the down kernel (default: gate_up)")
     parser.add_argument("--attention", action="store_true",
                         help="the tensor-core attention kernel (--config: stages, blocks_per_sm)")

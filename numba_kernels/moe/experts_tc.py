@@ -191,12 +191,16 @@ class WgmmaConfig:
     tokens: int = 64
     stages: int = 4
     chunks_per_stage: int = 2
+    # the K split's running totals in shared memory, not in registers: half the accumulator registers, so that a
+    # pass can hold more tokens (fewer L2 bytes a FLOP); the same sums in the same order
+    shared_totals: bool = False
 
     def __post_init__(self):
         if not (self.tokens % 8 == 0 and 8 <= self.tokens <= 128 and 2 <= self.stages <= 16
-                and 1 <= self.chunks_per_stage <= 4):
+                and 1 <= self.chunks_per_stage <= 4 and self.shared_totals in (False, True)):
             raise ValueError(f"WgmmaConfig: tokens {self.tokens} (a multiple of 8 in 8..128), stages {self.stages} "
-                             f"(2..16), chunks_per_stage {self.chunks_per_stage} (1..4)")
+                             f"(2..16), chunks_per_stage {self.chunks_per_stage} (1..4), shared_totals "
+                             f"{self.shared_totals} (a bool)")
         if self.shared_bytes > MAX_SHARED_BYTES:
             raise ValueError(f"WgmmaConfig: {self.shared_bytes} bytes of shared memory (at most {MAX_SHARED_BYTES})")
 
@@ -208,8 +212,14 @@ class WgmmaConfig:
         return self.tokens
 
     @property
+    def slot_bytes(self) -> int:
+        """A stage's slot: its weight tiles, then its tokens (bf16)."""
+        return self.chunks_per_stage * (self.staged_tiles * TILE_ROWS + self.tokens) * CHUNK * 2
+
+    @property
     def shared_bytes(self) -> int:
-        return self.stages * self.chunks_per_stage * (self.staged_tiles * TILE_ROWS + self.tokens) * CHUNK * 2
+        totals = self.threads * self.tokens * 4 if self.shared_totals else 0  # fp32, a thread's 2 tiles x N / 2
+        return self.stages * self.slot_bytes + totals
 
     def stage_fits(self, n_chunks: int) -> bool:
         return whole_stages(n_chunks, self.chunks_per_stage)

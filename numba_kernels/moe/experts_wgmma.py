@@ -21,7 +21,9 @@ tokens 128 bytes on.
 Bits: each k-step gives every token the products and the order of the staged kernels' mma.sync (wgmma.py: the same
 bits), the K_SPLIT shares sum in fresh accumulators and fold in share order, so a token gets FEW_PAIRS_CONFIG's bits
 here too: DDTree stays equal to AR with this kernel in the verify. Accumulator register 4 m + c of a tile is mma.sync's
-C entry c of token tile m, so experts_tc.store_functions stores them.
+C entry c of token tile m, so experts_tc.store_functions stores them. With WgmmaConfig.shared_totals the running
+totals live in shared memory after the slots (float32 [2 N / 2, 128]: a thread's own column, so no barrier), and
+the last share's fold leaves the totals in the accumulators to store: half the registers for the same sums.
 """
 from __future__ import annotations
 
@@ -119,6 +121,24 @@ def wgmma_kernels(config: WgmmaConfig):
 
     fold_all = static_for(acc_size, fold_share)
     zero_all = static_for(acc_size, zero_accumulator)
+    shared_totals = config.shared_totals
+    totals_at = stages * slot_words * 2  # float32 index of the shared totals: after the slots, [acc_size, threads]
+
+    def fold_to_shared(o, args):
+        """fold_share with total[o] in shared memory (a later share follows)."""
+        acc, totals, first = args
+        at = totals_at + o * threads + cuda.threadIdx.x
+        totals[at] = acc[o] if first else totals[at] + acc[o]
+        acc[o] = float32(0.0)
+
+    def fold_last(o, args):
+        """The last share: acc[o] = the total (the same sum fold_share's total would hold), in registers to store."""
+        acc, totals, first = args
+        if not first:
+            acc[o] = totals[totals_at + o * threads + cuda.threadIdx.x] + acc[o]
+
+    fold_all_to_shared = static_for(acc_size, device_function(**INLINE_DEVICE)(fold_to_shared))
+    fold_all_last = static_for(acc_size, device_function(**INLINE_DEVICE)(fold_last))
 
     def make_kernel(gate_up: bool):
         rows_per_block = config.rows_per_block(gate_up)
@@ -133,8 +153,9 @@ def wgmma_kernels(config: WgmmaConfig):
             scratch = cuda.shared.array(scratch_size, float32)
             item_passes = cuda.shared.array(threads, int32)
             item_found = cuda.shared.array(2, int32)
+            totals = cuda.shared.array(0, float32)  # the slots' memory; the shared totals after them
             acc = cuda.local.array(acc_size, float32)
-            total = cuda.local.array(acc_size, float32)
+            total = cuda.local.array(1 if shared_totals else acc_size, float32)
             a = cuda.local.array(a_words, uint32)
             weight_from = cuda.local.array(weight_copies, int64)  # the stage-0 address of each copy
             token_from = cuda.local.array(token_copies, int64)
@@ -204,13 +225,18 @@ def wgmma_kernels(config: WgmmaConfig):
                     slot = int32(0) if slot == stages - 1 else int32(slot + 1)
                     share_left = int32(share_left - 1)
                     if share_left == 0:
-                        fold_all((acc, total, first_share))
+                        if not shared_totals:
+                            fold_all((acc, total, first_share))
+                        elif stage < n_stages - 1:
+                            fold_all_to_shared((acc, totals, first_share))
+                        else:
+                            fold_all_last((acc, totals, first_share))
                         first_share, share_left = False, int32(share)
                     stage = int32(stage + 1)
                 if gate_up:
-                    store_act_all((total, out, base, end, warp_column, f))
+                    store_act_all((acc if shared_totals else total, out, base, end, warp_column, f))
                 else:
-                    store_down_all((total, out, sorted_pairs, base, end, warp_column))
+                    store_down_all((acc if shared_totals else total, out, sorted_pairs, base, end, warp_column))
                 cuda.syncthreads()  # the next pass's prologue refills the slots
                 item += cuda.gridDim.y
         return kernel
