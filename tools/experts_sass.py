@@ -12,8 +12,8 @@ without the share fold, which the loop runs only a few times a pass.
     python3 tools/experts_sass.py --attention [--config STAGES,BLOCKS_PER_SM,KEY_GROUPS]
 
 --config: four numbers are a TcConfig (streaming), five to seven a StagedConfig (staged), wgmma[:TOKENS,STAGES,
-CHUNKS_PER_STAGE[,SHARED_TOTALS]] a WgmmaConfig (experts_wgmma.py); default MANY_PAIRS_CONFIG. --attention: the batch-invariant
-tensor-core attention (attention/invariant_tc.py) instead, its TcAttentionConfig (default DEFAULT_CONFIG), the
+CHUNKS_PER_STAGE[,SHARED_TOTALS]] a WgmmaConfig (experts_wgmma.py); default MANY_PAIRS_CONFIG. --attention: the
+batch-invariant tensor-core attention (attention/invariant_tc.py) instead, its TcAttentionConfig (default DEFAULT_CONFIG), the
 prefix length on the device as a captured step has it. Needs ptxas (the CUDA toolkit) on PATH, and nvdisasm and
 libnvrtc, which pip can fetch without installing anything:
 

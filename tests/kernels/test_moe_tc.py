@@ -184,8 +184,9 @@ def test_wgmma_kernels_give_the_few_pairs_bits(d, f, shared_totals):
     s = 37
     x, ids, weights, gate_up, down = random_case(rng, s, d, f, 4, 2, one_expert_for_all=True)
     gate_up_d, down_d = on_device(gate_up, down)
+    wgmma = WgmmaConfig(16, 2, 2, shared_totals)
     few, other = (moe_experts(x, ids, weights, gate_up_d, down_d, out=poisoned((s, d)), tensor_cores=True,
-                              config=c).copy_to_host() for c in (FEW_PAIRS_CONFIG, WgmmaConfig(16, 2, 2, shared_totals)))
+                              config=c).copy_to_host() for c in (FEW_PAIRS_CONFIG, wgmma))
     assert not np.isnan(other).any()
     assert np.array_equal(few.view(np.uint32), other.view(np.uint32)), f"max |diff| {np.abs(few - other).max():.3g}"
 
