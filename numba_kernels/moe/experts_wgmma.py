@@ -14,9 +14,9 @@ The tokens' layout. A wgmma reads B as core matrices, 8 tokens x 16 contiguous b
 kernels give lane (g, tq) of k-step j the columns 8 tq + 4 j .. 8 tq + 4 j + 3 (logical k 2tq, 2tq + 1 and 2tq + 8,
 2tq + 9). So the tokens are stored in transposed_word's order (x by _round_to_bf16, act by the wgmma gate_up): the
 chunk's quarter 2 j + h is then row h of k-step j's core matrices, and a slot holds, per chunk and quarter, the
-pass's tokens in order, 16 bytes each (a token's copy lands where the next token's ends: no bank conflicts). A
-k-step's descriptor points at quarter 2 j: the next quarter (k 8..15) is ``tokens`` x 16 bytes on, the next 8
-tokens 128 bytes on.
+pass's tokens in order, 16 bytes each. A k-step's descriptor points at quarter 2 j: the next quarter (k 8..15) is
+``tokens`` x 16 bytes on, the next 8 tokens 128 bytes on. Two neighbouring lanes copy a token's two quarters of one
+32-byte sector, a warp 16 tokens: each sector crosses L2 once, and the warp's stores fill every bank.
 
 Bits: each k-step gives every token the products and the order of the staged kernels' mma.sync (wgmma.py: the same
 bits), the K_SPLIT shares sum in fresh accumulators and fold in share order, so a token gets FEW_PAIRS_CONFIG's bits
@@ -40,6 +40,26 @@ from kdspec.numba_kernels.moe.experts_tc import (STAGE_ALIGNMENT, STEP_WORDS, TI
 from kdspec.numba_kernels.runtime import INLINE_DEVICE, ON_SIMULATOR, device_function, static_for
 from kdspec.numba_kernels.wgmma import (CORE_BYTES, CORE_ROW_BYTES, descriptor_base, fence_function,
                                         fence_shared_for_wgmma, mma_function, wait_function)
+
+
+def token_piece(piece: int, n_tokens: int) -> tuple[int, int]:
+    """(token, quarter) of a stage's 16-byte token copy ``piece`` (quarter: the stage's chunk quarter // 4, its quarter
+    quarter % 4). The copies go quarter pair by quarter pair, so that two neighbouring lanes read a token's 32-byte
+    sector whole (a lane a sector would move each sector through L2 twice) and a warp's 16 tokens fill every bank of
+    the slot, which holds quarter by quarter, token by token: piece quarter * n_tokens + token."""
+    return piece // 2 % n_tokens, piece // (2 * n_tokens) * 2 + piece % 2
+
+
+def token_piece_offset(tid: int, i: int, n_tokens: int, threads: int) -> int:
+    """Where thread tid's token copy i (piece tid + i * threads) lands in the slot's tokens, in pieces from the
+    thread's own first piece: i * threads - token + (tid % 2) * (n_tokens - 1), computed at each copy (i a constant
+    there) rather than held in a register a copy."""
+    token = (tid // 2 + (i * threads // 2) % n_tokens) % n_tokens
+    return i * threads - token + (tid % 2) * (n_tokens - 1)
+
+
+_token_piece = device_function(**INLINE_DEVICE)(token_piece)
+_token_piece_offset = device_function(**INLINE_DEVICE)(token_piece_offset)
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,17 +97,19 @@ def wgmma_kernels(config: WgmmaConfig):
     def copy_token_piece(i, args):
         """Token copy i: none past the pass's tokens (token_valid bit i), whose columns reach only outputs never
         stored (each output column of a wgmma is its own token's)."""
-        slots, slot_at, tokens, token_from, stage_offset, token_valid = args
+        slots, slot_at, tokens, token_from, tid, stage_offset, token_valid = args
         if (token_valid >> i) & 1:
-            copy16_at(slots, slot_at + i * piece_step, tokens, token_from[i] + stage_offset)
+            copy16_at(slots, slot_at + 2 * word * _token_piece_offset(tid, i, n_tokens, threads), tokens,
+                      token_from[i] + stage_offset)
 
     copy_weight_pieces = static_for(weight_copies, device_function(**INLINE_DEVICE)(copy_weight_piece))
     copy_token_pieces = static_for(token_copies, device_function(**INLINE_DEVICE)(copy_token_piece))
 
     @device_function(**INLINE_DEVICE)
     def copy_stage(slots, slot_at, stage, w, weight_from, tokens, token_from, token_valid):
+        tid = cuda.threadIdx.x
         copy_weight_pieces((slots, slot_at, w, weight_from, int64(stage) * (tile_words * word)))
-        copy_token_pieces((slots, slot_at + weight_words * word, tokens, token_from,
+        copy_token_pieces((slots, slot_at + weight_words * word, tokens, token_from, tid,
                            int64(stage) * (8 * per_stage * word), token_valid))
 
     def load_fragments(i, args):
@@ -194,8 +216,7 @@ def wgmma_kernels(config: WgmmaConfig):
                 token_valid = int32(0)
                 for i in range(token_copies):
                     piece = tid + i * threads
-                    token = piece % n_tokens            # the slot holds quarter by quarter, token by token
-                    quarter = piece // n_tokens         # chunk quarter // 4 of the stage, quarter quarter % 4
+                    token, quarter = _token_piece(piece, n_tokens)
                     pair = min(base + token, end - 1)
                     row = sorted_pairs[pair] // k if gate_up else pair
                     token_from[i] = global_address(tokens, row * token_words + 8 * (quarter // 4)

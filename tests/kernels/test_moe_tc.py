@@ -192,6 +192,34 @@ def test_wgmma_kernels_give_the_few_pairs_bits(d, f, shared_totals):
 
 
 @pytest.mark.sim
+@pytest.mark.parametrize("per_stage", [1, 2, 4])
+def test_wgmma_token_copies_fill_each_place_once_by_whole_sectors(per_stage):
+    """The wgmma kernels' token copies at every pass size: piece p lands at quarter * n + token (the layout the
+    descriptors read), every place of the slot once; pieces 2m and 2m + 1 are one token's 32-byte sector (quarters
+    2q, 2q + 1); each warp's 32 stores of 16 bytes cover every 16-byte bank group 4 times (4 wavefronts, no more)."""
+    from kdspec.numba_kernels.moe.experts_wgmma import token_piece, token_piece_offset
+    threads = WgmmaConfig.threads
+    for n in range(8, 129, 8):
+        pieces = 4 * per_stage * n
+        places = []
+        for tid in range(threads):
+            for i in range(-(-pieces // threads)):
+                piece = tid + i * threads
+                if piece < pieces:
+                    token, quarter = token_piece(piece, n)
+                    assert 0 <= token < n and 0 <= quarter < 4 * per_stage
+                    assert tid + token_piece_offset(tid, i, n, threads) == quarter * n + token, (n, tid, i)
+                    places.append(quarter * n + token)
+        assert sorted(places) == list(range(pieces)), n
+        for piece in range(0, pieces, 2):
+            (token, quarter), (next_token, next_quarter) = token_piece(piece, n), token_piece(piece + 1, n)
+            assert next_token == token and quarter % 2 == 0 and next_quarter == quarter + 1
+        for warp_first in range(0, pieces, 32):
+            groups = [(lambda t, q: (q * n + t) % 8)(*token_piece(p, n)) for p in range(warp_first, warp_first + 32)]
+            assert sorted(groups) == sorted(list(range(8)) * 4), (n, warp_first)
+
+
+@pytest.mark.sim
 def test_launch_shapes_refuse_what_they_cannot_hold():
     with pytest.raises(ValueError, match="warps_t"):
         StagedConfig(0, 4, 2)
