@@ -71,9 +71,10 @@ if ON_SIMULATOR:
         return fence
 
     @functools.lru_cache(maxsize=None)
-    def wait_function(pending: int, n_floats: int):
-        """Device function wait(floats): commit this warpgroup's wgmma, wait until at most ``pending`` groups are in
-        flight; floats[0 .. n_floats) (the accumulators) are read after it."""
+    def wait_function(pending: int, n_floats: int, commit: bool = True):
+        """Device function wait(floats): commit this warpgroup's wgmma (unless ``commit`` is False: the groups
+        already committed), wait until at most ``pending`` groups are in flight; floats[0 .. n_floats) (the
+        accumulators) are read after it."""
         @device_function()
         def wait(floats):
             pass
@@ -162,15 +163,17 @@ else:
         return fence
 
     @functools.lru_cache(maxsize=None)
-    def wait_function(pending: int, n_floats: int):
-        """Device function wait(floats): wgmma.commit_group then wgmma.wait_group ``pending``, floats[0 .. n_floats)
-        (the accumulators) tied through it, so that no read of them moves above it."""
+    def wait_function(pending: int, n_floats: int, commit: bool = True):
+        """Device function wait(floats): wgmma.commit_group (unless ``commit`` is False: an empty group costs a
+        dummy wgmma) then wgmma.wait_group ``pending``, floats[0 .. n_floats) (the accumulators) tied through it, so
+        that no read of them moves above it."""
+        text = ("wgmma.commit_group.sync.aligned;\n" if commit else "") + f"wgmma.wait_group.sync.aligned {pending};"
+
         @intrinsic
         def _wait(typingctx, floats):
             def codegen(context, builder, sig, args):
                 pointers = [(p, "f") for p in _element_pointers(context, builder, sig.args[0], args[0], 0, n_floats)]
-                _through_asm(builder, f"wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned {pending};",
-                             pointers)
+                _through_asm(builder, text, pointers)
                 return context.get_dummy_value()
             return types.void(floats), codegen
 

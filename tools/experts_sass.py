@@ -11,8 +11,9 @@ without the share fold, which the loop runs only a few times a pass.
     python3 tools/experts_sass.py [--config 5,2,1,4,4] [--down] [--out DIR] [--tools DIR]
     python3 tools/experts_sass.py --attention [--config STAGES,BLOCKS_PER_SM,KEY_GROUPS]
 
---config: four numbers are a TcConfig (streaming), five to seven a StagedConfig (staged), wgmma[:TOKENS,STAGES,
-CHUNKS_PER_STAGE[,SHARED_TOTALS]] a WgmmaConfig (experts_wgmma.py); default MANY_PAIRS_CONFIG. --attention: the
+--config: four numbers are a TcConfig (streaming), five to seven a StagedConfig (staged),
+wgmma[:TOKENS,STAGES,CHUNKS_PER_STAGE[,SHARED_TOTALS[,OVERLAP]]] a WgmmaConfig (experts_wgmma.py); default
+MANY_PAIRS_CONFIG. --attention: the
 batch-invariant tensor-core attention (attention/invariant_tc.py) instead, its TcAttentionConfig (default DEFAULT_CONFIG), the
 prefix length on the device as a captured step has it. Needs ptxas (the CUDA toolkit) on PATH, and nvdisasm and
 libnvrtc, which pip can fetch without installing anything:
@@ -83,7 +84,7 @@ def compile_attention_ptx(config_text: str | None) -> tuple[str, str]:
 
 def config_from_text(text: str | None):
     """A launch shape of the experts from its numbers: 4 a TcConfig, 5-7 a StagedConfig, "wgmma[:N,...]" a
-    WgmmaConfig (tokens, stages, chunks_per_stage); None MANY_PAIRS_CONFIG."""
+    WgmmaConfig (tokens, stages, chunks_per_stage, then shared_totals and overlap as 0 / 1); None MANY_PAIRS_CONFIG."""
     from kdspec.numba_kernels.moe import experts_tc as tc
     if not text:
         return tc.MANY_PAIRS_CONFIG
@@ -155,7 +156,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None,
                         help="TcConfig (4 numbers), StagedConfig (5-7), comma-separated, or wgmma[:TOKENS,STAGES,"
-                             "CHUNKS_PER_STAGE[,SHARED_TOTALS 0/1]] (WgmmaConfig)")
+                             "CHUNKS_PER_STAGE[,SHARED_TOTALS 0/1[,OVERLAP 0/1]]] (WgmmaConfig)")
     parser.add_argument("--down", action="store_true", help="the down kernel (default: gate_up)")
     parser.add_argument("--attention", action="store_true",
                         help="the tensor-core attention kernel (--config: stages, blocks_per_sm)")

@@ -41,7 +41,7 @@
 #                                          # untracked so that it travels), times and bits side by side
 #     bash tools/gpu_session.sh wgmma-experts  # the wgmma experts (experts_wgmma.py): wgmma's bits at N = 64, the
 #                                          # kernels beside MANY_PAIRS_CONFIG at s = 256 / 128 / 64 under k2-mini-
-#                                          # like routing (WGMMA_CONFIGS: "wgmma:64,4,2;wgmma:64,3,2"), their tests
+#                                          # like routing (WGMMA_CONFIGS: "wgmma:64,4,2;wgmma:64,4,2,1,1"), their tests
 #     bash tools/gpu_session.sh moe-graphs  # kdtree bench moe, then the tensor-core experts' launch shapes at K2's
 #                                          # 384 experts as graph replays (MOE_CONFIGS: which, e.g. t0,t8)
 #     bash tools/gpu_session.sh spec [T [B,..]]  # kdtree bench spec (32 held-out prompts x 128 tokens, T=0 and T=1,
@@ -233,7 +233,7 @@ experts-against)
 wgmma-experts)
     step wgmma-probe 60 python3 -W ignore tools/wgmma_probe.py --n 64 --trials 10
     step wgmma-time 300 python3 -W ignore tools/experts_probe.py --skew 2.5 --tokens 256,128,64 \
-        --time "${WGMMA_CONFIGS:-wgmma:64,4,2;wgmma:64,3,2}"
+        --time "${WGMMA_CONFIGS:-wgmma:64,4,2;wgmma:64,4,2,1,1;wgmma:128,4,1,1,1}"
     step wgmma-tests 180 python3 -m pytest -q -x -m gpu tests/kernels/test_moe_tc.py -k wgmma
     grep -a -E "bit-identical|max \||^s= *[0-9]+ | passed| failed" "$log" | cut -c1-150
     ;;

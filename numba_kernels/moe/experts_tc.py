@@ -194,13 +194,17 @@ class WgmmaConfig:
     # the K split's running totals in shared memory, not in registers: half the accumulator registers, so that a
     # pass can hold more tokens (fewer L2 bytes a FLOP); the same sums in the same order
     shared_totals: bool = False
+    # a stage's wgmma runs on while the next stage's copies are waited for and its fragments load (into a second
+    # set of registers): the slot refilled is the one read two stages back, so stages - 2 are copied ahead
+    overlap: bool = False
 
     def __post_init__(self):
-        if not (self.tokens % 8 == 0 and 8 <= self.tokens <= 128 and 2 <= self.stages <= 16
-                and 1 <= self.chunks_per_stage <= 4 and self.shared_totals in (False, True)):
+        if not (self.tokens % 8 == 0 and 8 <= self.tokens <= 128 and 2 + self.overlap <= self.stages <= 16
+                and 1 <= self.chunks_per_stage <= 4 and self.shared_totals in (False, True)
+                and self.overlap in (False, True)):
             raise ValueError(f"WgmmaConfig: tokens {self.tokens} (a multiple of 8 in 8..128), stages {self.stages} "
-                             f"(2..16), chunks_per_stage {self.chunks_per_stage} (1..4), shared_totals "
-                             f"{self.shared_totals} (a bool)")
+                             f"(2..16, with overlap 3..16), chunks_per_stage {self.chunks_per_stage} (1..4), "
+                             f"shared_totals {self.shared_totals} and overlap {self.overlap} (bools)")
         if self.shared_bytes > MAX_SHARED_BYTES:
             raise ValueError(f"WgmmaConfig: {self.shared_bytes} bytes of shared memory (at most {MAX_SHARED_BYTES})")
 

@@ -8,7 +8,10 @@ into one slot of shared memory. Warp w owns two weight tiles, tile w and tile 4 
 16 w .. of the block's 64 and the matching up rows; down: output rows 32 w .. 32 w + 15 and the 16 after them):
 each k-step its lanes load their A fragments from the slot (as a staged warp does) and the warpgroup issues two
 wgmma m64nNk16 (N = tokens), A from those registers, B the pass's tokens straight from shared memory. The tensor
-core runs them while the warps go on; the warps wait for them once a stage, before the slot is refilled.
+core runs them while the warps go on; the warps wait for them once a stage, before the slot is refilled. With
+WgmmaConfig.overlap they wait only for the stage before (wgmma.wait_group 1): a stage's products run on while the
+block waits for the next stage's copies and loads its fragments into a second set of registers, so the slot
+refilled is the one read two stages back (stages - 2 copied ahead, not stages - 1).
 
 The tokens' layout. A wgmma reads B as core matrices, 8 tokens x 16 contiguous bytes along K, where the staged
 kernels give lane (g, tq) of k-step j the columns 8 tq + 4 j .. 8 tq + 4 j + 3 (logical k 2tq, 2tq + 1 and 2tq + 8,
@@ -32,6 +35,7 @@ import functools
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from kdspec.numba_kernels import kernel_cache
+from kdspec.numba_kernels.intrinsics import at, at_put
 from kdspec.numba_kernels.mma import (BF16_SCRATCH_PER_WARP, WARP, address_units, copy16_at, copy_commit, copy_wait,
                                       global_address, shared_address)
 from kdspec.numba_kernels.moe.experts_tc import (STAGE_ALIGNMENT, STEP_WORDS, TILE_ROWS, TILE_WORDS, WgmmaConfig,
@@ -84,8 +88,11 @@ def wgmma_kernels(config: WgmmaConfig):
     mma = mma_function(n_tokens, lead_bytes, CORE_BYTES)
     descriptor_high = descriptor_base(lead_bytes, CORE_BYTES)
     fence = fence_function(a_words, acc_size)
-    wait_all = wait_function(0, acc_size)
-    wait_for_stage = copy_wait(stages - 2)
+    overlap = config.overlap
+    lead = stages - 2 if overlap else stages - 1  # stages copied ahead of the one computed
+    wait_issued = wait_function(1 if overlap else 0, acc_size)  # overlap: the last stage's wgmma runs on
+    wait_running = wait_function(0, acc_size, commit=False)
+    wait_for_stage = copy_wait(lead - 1)
     word = address_units(8)
     piece_step = 2 * word * threads
 
@@ -135,11 +142,12 @@ def wgmma_kernels(config: WgmmaConfig):
 
     @device_function(**INLINE_DEVICE)
     def stage_products(slots, slot_words_at, slot_address, acc, a, scratch):
-        """The stage in the slot at words slot_words_at (shared address slot_address): issued, then waited for."""
+        """The stage in the slot at words slot_words_at (shared address slot_address): issued, then waited for (with
+        overlap, the stage before it: this one runs on while the next stage's fragments load into the other a)."""
         load_stage_fragments((slots, slot_words_at, a))
         fence(a, acc)
         stage_mma((acc, a, slots, slot_address + weight_words * word, scratch))
-        wait_all(acc)
+        wait_issued(acc)
 
     fold_all = static_for(acc_size, fold_share)
     zero_all = static_for(acc_size, zero_accumulator)
@@ -149,18 +157,53 @@ def wgmma_kernels(config: WgmmaConfig):
     def fold_to_shared(o, args):
         """fold_share with total[o] in shared memory (a later share follows)."""
         acc, totals, first = args
-        at = totals_at + o * threads + cuda.threadIdx.x
-        totals[at] = acc[o] if first else totals[at] + acc[o]
+        index = totals_at + o * threads + cuda.threadIdx.x
+        at_put(totals, index, acc[o] if first else at(totals, index) + acc[o])  # (no wraparound test an element)
         acc[o] = float32(0.0)
 
     def fold_last(o, args):
         """The last share: acc[o] = the total (the same sum fold_share's total would hold), in registers to store."""
         acc, totals, first = args
         if not first:
-            acc[o] = totals[totals_at + o * threads + cuda.threadIdx.x] + acc[o]
+            acc[o] = at(totals, totals_at + o * threads + cuda.threadIdx.x) + acc[o]
 
     fold_all_to_shared = static_for(acc_size, device_function(**INLINE_DEVICE)(fold_to_shared))
     fold_all_last = static_for(acc_size, device_function(**INLINE_DEVICE)(fold_last))
+
+    @device_function(**INLINE_DEVICE)
+    def walk_stage(stage, state, walk, acc, a, total, totals, scratch):
+        """Stage ``stage`` of a pass: wait for its copies, copy stage + lead into the slot read lead stages ago,
+        issue its products (fragments in ``a``), fold a share that ends here; returns the next state (slot,
+        fill_slot, share_left, first_share)."""
+        slot, fill_slot, share_left, first_share = state
+        slots, slots_address, first_slot_at, w, weight_from, tokens, token_from, token_valid, k_stages, share, \
+            n_stages = walk
+        wait_for_stage()
+        fence_shared_for_wgmma()  # this thread's landed copies visible to the wgmma of every warp
+        # every copy of the stage landed; the slot refilled next was read, its wgmma waited for (with overlap, by
+        # the last stage's wait for all but one group)
+        cuda.syncthreads()
+        if int32(stage + lead) < k_stages:
+            copy_stage(slots, first_slot_at + fill_slot * (slot_words * word), int32(stage + lead), w, weight_from,
+                       tokens, token_from, token_valid)
+        copy_commit()
+        fill_slot = int32(0) if fill_slot == stages - 1 else int32(fill_slot + 1)
+        if stage < k_stages:  # a share padded past K skips its stages there
+            stage_products(slots, int32(slot * slot_words), slots_address + slot * (slot_words * word), acc, a,
+                           scratch)
+        slot = int32(0) if slot == stages - 1 else int32(slot + 1)
+        share_left = int32(share_left - 1)
+        if share_left == 0:
+            if overlap:
+                wait_running(acc)  # the stage still running
+            if not shared_totals:
+                fold_all((acc, total, first_share))
+            elif stage < n_stages - 1:
+                fold_all_to_shared((acc, totals, first_share))
+            else:
+                fold_all_last((acc, totals, first_share))
+            first_share, share_left = False, int32(share)
+        return slot, fill_slot, share_left, first_share
 
     def make_kernel(gate_up: bool):
         rows_per_block = config.rows_per_block(gate_up)
@@ -179,6 +222,7 @@ def wgmma_kernels(config: WgmmaConfig):
             acc = cuda.local.array(acc_size, float32)
             total = cuda.local.array(1 if shared_totals else acc_size, float32)
             a = cuda.local.array(a_words, uint32)
+            a_next = cuda.local.array(a_words, uint32)  # overlap: every other stage's fragments
             weight_from = cuda.local.array(weight_copies, int64)  # the stage-0 address of each copy
             token_from = cuda.local.array(token_copies, int64)
             tid = cuda.threadIdx.x
@@ -223,36 +267,21 @@ def wgmma_kernels(config: WgmmaConfig):
                                                    + 2 * (quarter % 4))
                     if piece < token_pieces and base + token < end:
                         token_valid |= int32(1) << i
-                for stage in range(stages - 1):  # prologue: stages - 1 stages in flight
+                for stage in range(lead):  # prologue: lead stages in flight
                     if stage < k_stages:
                         copy_stage(slots, first_slot_at + stage * (slot_words * word), int32(stage), w, weight_from,
                                    tokens, token_from, token_valid)
                     copy_commit()
                 zero_all(acc)
-                slot, fill_slot, share_left, first_share = int32(0), int32(stages - 1), int32(share), True
+                walk = (slots, slots_address, first_slot_at, w, weight_from, tokens, token_from, token_valid, k_stages,
+                        share, n_stages)
+                state = (int32(0), int32(lead), int32(share), True)  # slot, fill_slot, share_left, first_share
                 stage = int32(0)
                 while stage < n_stages:
-                    wait_for_stage()
-                    fence_shared_for_wgmma()  # this thread's landed copies visible to the wgmma of every warp
-                    cuda.syncthreads()  # every copy of the stage landed; the slot refilled next was read and waited for
-                    if int32(stage + stages - 1) < k_stages:
-                        copy_stage(slots, first_slot_at + fill_slot * (slot_words * word), int32(stage + stages - 1),
-                                   w, weight_from, tokens, token_from, token_valid)
-                    copy_commit()
-                    fill_slot = int32(0) if fill_slot == stages - 1 else int32(fill_slot + 1)
-                    if stage < k_stages:  # a share padded past K skips its stages there
-                        stage_products(slots, int32(slot * slot_words), slots_address + slot * (slot_words * word),
-                                       acc, a, scratch)
-                    slot = int32(0) if slot == stages - 1 else int32(slot + 1)
-                    share_left = int32(share_left - 1)
-                    if share_left == 0:
-                        if not shared_totals:
-                            fold_all((acc, total, first_share))
-                        elif stage < n_stages - 1:
-                            fold_all_to_shared((acc, totals, first_share))
-                        else:
-                            fold_all_last((acc, totals, first_share))
-                        first_share, share_left = False, int32(share)
+                    state = walk_stage(stage, state, walk, acc, a, total, totals, scratch)
+                    if overlap and stage + 1 < n_stages:  # the next stage's fragments in the other registers
+                        state = walk_stage(int32(stage + 1), state, walk, acc, a_next, total, totals, scratch)
+                        stage = int32(stage + 1)
                     stage = int32(stage + 1)
                 if gate_up:
                     store_act_all((acc if shared_totals else total, out, base, end, warp_column, f))

@@ -172,19 +172,22 @@ def test_transposed_word_swaps_a_chunks_quarter_and_word_and_is_its_own_inverse(
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("d, f, shared_totals", [(96, 160, False), (128, 64, False), (96, 160, True)])
-def test_wgmma_kernels_give_the_few_pairs_bits(d, f, shared_totals):
+@pytest.mark.parametrize("d, f, shared_totals, overlap", [(96, 160, False, False), (128, 64, False, False),
+                                                           (96, 160, True, False), (128, 64, True, True),
+                                                           (96, 160, False, True)])
+def test_wgmma_kernels_give_the_few_pairs_bits(d, f, shared_totals, overlap):
     """The wgmma kernels (one warpgroup a block, the simulator's wgmma: mma_bf16 over the tokens in shared memory)
     at 16 tokens a pass, one expert holding all 37 tokens (three passes, the last partly empty): d = 96, f = 160
     (K's chunks not whole stages: one chunk a stage; gate_up's third block and down's block partly past f and d),
     and d = 128, f = 64 (gate_up two chunks a stage); the K split's totals in registers or in shared memory (each
-    pass overwrites the last pass's): FEW_PAIRS_CONFIG's bits for every token."""
+    pass overwrites the last pass's); a stage's wgmma running on under the next stage's fragment loads (overlap:
+    three stages, the slot refilled two stages back): FEW_PAIRS_CONFIG's bits for every token."""
     skip_without_wgmma(WgmmaConfig())
     rng = np.random.default_rng(21)
     s = 37
     x, ids, weights, gate_up, down = random_case(rng, s, d, f, 4, 2, one_expert_for_all=True)
     gate_up_d, down_d = on_device(gate_up, down)
-    wgmma = WgmmaConfig(16, 2, 2, shared_totals)
+    wgmma = WgmmaConfig(16, 2 + overlap, 2, shared_totals, overlap)
     few, other = (moe_experts(x, ids, weights, gate_up_d, down_d, out=poisoned((s, d)), tensor_cores=True,
                               config=c).copy_to_host() for c in (FEW_PAIRS_CONFIG, wgmma))
     assert not np.isnan(other).any()
@@ -239,6 +242,8 @@ def test_launch_shapes_refuse_what_they_cannot_hold():
         WgmmaConfig(128, 6, 2, True)  # 192 KB of stages fit alone; 64 KB of totals after them do not
     with pytest.raises(ValueError, match="shared_totals"):
         WgmmaConfig(64, 4, 2, 2)
+    with pytest.raises(ValueError, match="with overlap 3"):
+        WgmmaConfig(64, 2, 2, False, True)  # a slot being read, one in flight and one filling
     with pytest.raises(ValueError, match="multiple of 16"):
         fragment_layout(np.zeros((2, 24, 64), np.uint16))
 
