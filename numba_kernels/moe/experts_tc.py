@@ -185,8 +185,9 @@ class WgmmaConfig:
     two 16-row weight tiles (gate_up: a gate tile and its up tile, 64 intermediate rows a block; down: 32 adjacent
     output rows, 128 a block) against a pass of ``tokens`` tokens, staged into shared memory as StagedConfig's
     are, chunks_per_stage chunks at a time, ``stages`` deep. Runs where a caller passes it (grouped_swiglu_tc's
-    ``config``), not by tc_config_for's choice: on an H100 it gave the staged kernels' bits and no more speed, both
-    apparently bound by L2 traffic at this tile (BENCHMARKS.md, "wgmma on the GPU")."""
+    ``config``), not by tc_config_for's choice: on an H100 and an H200 it gave the staged kernels' bits and no more
+    speed; neither kernel is bound by L2, DRAM or the tensor pipe, both by their own latencies (BENCHMARKS.md,
+    "The H200 bench at 1f73c61")."""
 
     tokens: int = 64
     stages: int = 4
