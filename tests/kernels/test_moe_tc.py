@@ -274,11 +274,12 @@ def test_k2_dims_tensor_core_experts(s):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [StagedConfig(5, 2, 2, 2, 3, 2), StagedConfig(4, 2, 4, 4, 3), WgmmaConfig(),
+@pytest.mark.parametrize("config", [StagedConfig(5, 2, 2, 2, 3, 2), StagedConfig(4, 2, 4, 4, 3),
+                                    StagedConfig(4, 3, 2, 4, 4, 2), StagedConfig(4, 4, 2, 2, 4, 2), WgmmaConfig(),
                                     WgmmaConfig(64, 4, 2, True, True)], ids=str)
 def test_k2_dims_other_staged_shapes_give_the_few_pairs_bits(config):
-    """Candidates for MANY_PAIRS_CONFIG (two chunks a stage; warps of 32 tokens x 64 rows; the wgmma kernels, also
-    with shared totals and overlap)
+    """Candidates for MANY_PAIRS_CONFIG (two chunks a stage; warps of 32 tokens x 64 rows; 12 and 16 warps a block;
+    the wgmma kernels, also with shared totals and overlap)
     compiled for the GPU at Kimi K2's d and f (224 and 64 chunks: whole stages), 64 tokens on 8 experts:
     FEW_PAIRS_CONFIG's bits."""
     skip_without_wgmma(config)
