@@ -13,10 +13,9 @@ without the share fold, which the loop runs only a few times a pass.
 
 --config: four numbers are a TcConfig (streaming), five to seven a StagedConfig (staged),
 wgmma[:TOKENS,STAGES,CHUNKS_PER_STAGE[,SHARED_TOTALS[,OVERLAP]]] a WgmmaConfig (experts_wgmma.py); default
-MANY_PAIRS_CONFIG. --attention: the
-batch-invariant tensor-core attention (attention/invariant_tc.py) instead, its TcAttentionConfig (default DEFAULT_CONFIG), the
-prefix length on the device as a captured step has it. Needs ptxas (the CUDA toolkit) on PATH, and nvdisasm and
-libnvrtc, which pip can fetch without installing anything:
+MANY_PAIRS_CONFIG. --attention: the batch-invariant tensor-core attention (attention/invariant_tc.py) instead, its
+TcAttentionConfig (default DEFAULT_CONFIG), the prefix length on the device as a captured step has it. Needs ptxas
+(the CUDA toolkit) on PATH, and nvdisasm and libnvrtc, which pip can fetch without installing anything:
 
     pip download --no-deps -d /tmp/wheels nvidia-cuda-nvdisasm nvidia-cuda-nvrtc
     mkdir -p /tmp/cuda-tools && for w in /tmp/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/cuda-tools; done

@@ -159,11 +159,10 @@ ncu-experts)
     step ncu-experts 200 /usr/local/cuda/bin/ncu --kernel-name regex:"^kernel" --launch-count 2 --section SpeedOfLight \
         --section Occupancy --metrics "${stalls}smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,\
 smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,\
-sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_bytes.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,\
-lts__t_sectors_srcunit_tex_op_read.sum" \
+lts__t_bytes.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,lts__t_sectors_srcunit_tex_op_read.sum" \
         python3 tools/experts_probe.py ${NCU_CONFIG:+--config "$NCU_CONFIG"}
     PATH=$PATH:/usr/local/cuda/bin step sass-experts 100 python3 tools/experts_probe.py --sass
-    grep -a -E "  kernel|stalled|inst_exec|duration|dram__|lts__|issue_active|hmma|gmma|SASS|Theoretical Occ|Throughput" "$log" \
+    grep -a -E "  kernel|stalled|inst_exec|duration|dram__|lts__|issue_active|hmma|SASS|Theoretical Occ|Throughput" "$log" \
         | cut -c1-160
     ;;
 device-steps)

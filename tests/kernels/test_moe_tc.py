@@ -218,7 +218,8 @@ def test_wgmma_token_copies_fill_each_place_once_by_whole_sectors(per_stage):
             (token, quarter), (next_token, next_quarter) = token_piece(piece, n), token_piece(piece + 1, n)
             assert next_token == token and quarter % 2 == 0 and next_quarter == quarter + 1
         for warp_first in range(0, pieces, 32):
-            groups = [(lambda t, q: (q * n + t) % 8)(*token_piece(p, n)) for p in range(warp_first, warp_first + 32)]
+            groups = [(quarter * n + token) % 8
+                      for token, quarter in (token_piece(p, n) for p in range(warp_first, warp_first + 32))]
             assert sorted(groups) == sorted(list(range(8)) * 4), (n, warp_first)
 
 
