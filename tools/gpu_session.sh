@@ -34,7 +34,10 @@
 #                                          # shapes and the fp32 kernel's side by side); WITH_E2E=1: e2e-tests
 #     bash tools/gpu_session.sh steps-profile  # bench e2e, then GPU time per kernel of AR and oracle B=7 / 63 / 255
 #     bash tools/gpu_session.sh many-pairs  # GPU time per kernel of the oracle B=255 step with each staged-experts
-#                                          # shape for many pairs, side by side (MANY_CONFIGS: "5,2,2,2,4 4,2,2,4,4")
+#                                          # shape for many pairs, side by side (MANY_CONFIGS: "4,2,2,6,4,2 4,2,4,4,4,2")
+#     bash tools/gpu_session.sh experts-routing  # the staged experts alone under k2-mini's own routing of its B=255
+#                                          # verify (3 MoE layers, summed), each shape beside MANY_PAIRS_CONFIG and
+#                                          # the launcher's choice, with their bits (ROUTING_CONFIGS: "4,3,2,4,4,2")
 #     AGAINST=old_experts_tc.py bash tools/gpu_session.sh experts-against  # the staged experts alone at s = 64,
 #                                          # 128, 256: MANY_PAIRS_CONFIG and STAGED_CONFIGS against an earlier
 #                                          # experts_tc.py (git show REV:numba_kernels/moe/experts_tc.py > FILE,
@@ -49,7 +52,7 @@
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-groups="record-k2|ar-kernels|attention-tc|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|experts-against|wgmma-experts|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec"  # the one list of groups: usage and the unknown-group message
+groups="record-k2|ar-kernels|attention-tc|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|experts-routing|experts-against|wgmma-experts|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec"  # the one list of groups: usage and the unknown-group message
 group=${1:?usage: tools/gpu_session.sh $groups}
 case "|$groups|" in
 *"|$group|"*) ;;
@@ -218,11 +221,16 @@ steps-profile)
     grep -a -E "^=====|ms/step|GPU idle" "$log" | cut -c1-190
     ;;
 many-pairs)
-    for config in ${MANY_CONFIGS:-5,2,2,2,4 4,2,2,4,4}; do
+    for config in ${MANY_CONFIGS:-4,2,2,6,4,2 4,2,4,4,4,2}; do
         step "many-pairs $config" 150 python3 -W ignore tools/step_profile.py --kernels --budgets 255 --top 4 \
             --many-pairs "$config"
     done
     grep -a -E "^MANY_PAIRS_CONFIG|^=====|staged_kernels" "$log" | cut -c1-150
+    ;;
+experts-routing)
+    step experts-routing 480 python3 -W ignore tools/experts_probe.py --model-routing "${BUDGET:-255}" \
+        --time "${ROUTING_CONFIGS:-4,3,2,4,4,2;wgmma:64,4,2}"
+    grep -a -E "^k2-mini B=|^B=[0-9]+ " "$log" | cut -c1-150
     ;;
 experts-against)
     step experts-against 540 python3 -W ignore tools/experts_probe.py --tokens 64,128,256 \
