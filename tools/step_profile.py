@@ -35,14 +35,15 @@ def main() -> None:
     parser.add_argument("--variant", action="store_true",
                         help="the bf16 model without batch invariance (the forward before issue #19)")
     parser.add_argument("--many-pairs", default=None, metavar="WARPS_T,WARPS_W,TOKEN_TILES,WEIGHT_TILES,STAGES",
-                        help="the experts' launch shape for many pairs an expert (experts_tc.MANY_PAIRS_CONFIG): a "
-                             "StagedConfig's numbers or wgmma:TOKENS,STAGES,CHUNKS_PER_STAGE (a WgmmaConfig)")
+                        help="the experts' launch shape above MID_PAIRS pairs an expert (experts_tc's "
+                             "MANY_PAIRS_CONFIG and MOST_PAIRS_CONFIG both): a StagedConfig's numbers or "
+                             "wgmma:TOKENS,STAGES,CHUNKS_PER_STAGE (a WgmmaConfig)")
     args = parser.parse_args()
-    if args.many_pairs:  # before any forward: tc_config_for reads the module's MANY_PAIRS_CONFIG at each call
+    if args.many_pairs:  # before any forward: tc_config_for reads the module's configs at each call
         from kdspec.numba_kernels.moe import experts_tc
         from tools.experts_sass import config_from_text
-        experts_tc.MANY_PAIRS_CONFIG = config_from_text(args.many_pairs)
-        print(f"MANY_PAIRS_CONFIG = {experts_tc.MANY_PAIRS_CONFIG}")
+        experts_tc.MANY_PAIRS_CONFIG = experts_tc.MOST_PAIRS_CONFIG = config_from_text(args.many_pairs)
+        print(f"MANY_PAIRS_CONFIG = MOST_PAIRS_CONFIG = {experts_tc.MANY_PAIRS_CONFIG}")
     from kdspec.engine.decode.config import DecodeConfig
     from kdspec.engine.decode.drafters import parse_drafter
     from kdspec.engine.decode.loop import generate

@@ -29,8 +29,9 @@ all of K for its tiles (many pairs an expert); each pass is a block of its own. 
 from shared memory as the streaming lanes do from global memory.
 experts_wgmma.py runs the staged kernels' work on Hopper's asynchronous wgmma (WgmmaConfig), with the same bits.
 tc_config_for picks by the mean number of pairs per active expert: FEW_PAIRS_CONFIG (streaming, one tile) up to
-FEW_PAIRS, MID_PAIRS_CONFIG (streaming, three tiles) up to MID_PAIRS, else MANY_PAIRS_CONFIG (staged) (figures:
-BENCHMARKS.md; probe under k2-mini-like routing: python3 tools/experts_probe.py --skew 2.5 --time ...).
+FEW_PAIRS, MID_PAIRS_CONFIG (streaming, three tiles) up to MID_PAIRS, MANY_PAIRS_CONFIG (staged, 64 tokens a pass)
+up to MANY_PAIRS, else MOST_PAIRS_CONFIG (staged, 128 tokens a pass) (figures: BENCHMARKS.md; probe under k2-mini's
+own routing: python3 tools/experts_probe.py --model-routing 255 --time ...).
 
 Batch invariance: a pair's result depends only on its activation row, the weights and the fixed K order and
 split, not on which tile or lane it sits in nor on how many pairs the expert has (each output column of an mma
@@ -252,17 +253,22 @@ MID_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 3, 1 if ON_SIMULATOR
 # 64 tokens x 192 weight rows a block: the tokens a block re-reads through L2 each K chunk cost as much as its
 # weights at 64 rows a block; two chunks a stage halve the barriers and the copies' address work per mma
 MANY_PAIRS_CONFIG = StagedConfig(1, 2, 2, 2, 2) if ON_SIMULATOR else StagedConfig(4, 2, 2, 6, 4, 2)
+# 128 tokens x 128 rows: a trained-like router gives a few experts 100-250 pairs, which then stream their weights
+# in half as many passes
+MOST_PAIRS_CONFIG = StagedConfig(1, 2, 4, 2, 2) if ON_SIMULATOR else StagedConfig(4, 2, 4, 4, 4, 2)
 FEW_PAIRS = 6    # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
-MID_PAIRS = 12   # ... MID_PAIRS_CONFIG, else MANY_PAIRS_CONFIG (k2-mini at s = 64: 16; s = 256: 64)
+MID_PAIRS = 12   # ... MID_PAIRS_CONFIG (k2-mini at s = 64: 16; s = 128: 32; s = 256: 64)
+MANY_PAIRS = 24  # ... MANY_PAIRS_CONFIG, else MOST_PAIRS_CONFIG
 
 
 def tc_config_for(n_pairs: int, n_experts: int) -> TcConfig | StagedConfig:
     """The launch shape for n_pairs (token, expert) pairs over n_experts experts."""
     mean_pairs = n_pairs / max(1, min(n_experts, n_pairs))
-    for most, config in ((FEW_PAIRS, FEW_PAIRS_CONFIG), (MID_PAIRS, MID_PAIRS_CONFIG)):
+    for most, config in ((FEW_PAIRS, FEW_PAIRS_CONFIG), (MID_PAIRS, MID_PAIRS_CONFIG),
+                         (MANY_PAIRS, MANY_PAIRS_CONFIG)):
         if mean_pairs <= most:
             return config
-    return MANY_PAIRS_CONFIG
+    return MOST_PAIRS_CONFIG
 
 
 @device_function(**INLINE_DEVICE)

@@ -15,7 +15,7 @@ from numba import cuda
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.numba_kernels.moe.experts import moe_experts
 from kdspec.numba_kernels.moe.experts_tc import (FEW_PAIRS_CONFIG, K_SPLIT, MANY_PAIRS_CONFIG, MID_PAIRS_CONFIG,
-                                                 StagedConfig, TcConfig, WgmmaConfig, fragment_layout, supports,
+                                                 MOST_PAIRS_CONFIG, StagedConfig, TcConfig, WgmmaConfig, fragment_layout, supports,
                                                  runs_wgmma, tc_config_for, transposed_word)
 
 from kernel_checks import assert_close, poisoned
@@ -113,7 +113,8 @@ def test_tensor_core_experts_match_the_bf16_reference_and_are_batch_invariant(d)
     x, ids, weights, gate_up, down = random_case(rng, s, d, 32, 5, 2, one_expert_for_all=True)
     # all tokens run MANY_PAIRS_CONFIG, each token alone FEW_PAIRS_CONFIG: the bits must not depend on it
     assert tc_config_for(2, 5) == FEW_PAIRS_CONFIG and tc_config_for(5 * 12, 5) == MID_PAIRS_CONFIG
-    assert tc_config_for(5 * 13, 5) == MANY_PAIRS_CONFIG
+    assert tc_config_for(5 * 13, 5) == tc_config_for(5 * 24, 5) == MANY_PAIRS_CONFIG
+    assert tc_config_for(5 * 25, 5) == MOST_PAIRS_CONFIG
     together = run(x, ids, weights, gate_up, down, MANY_PAIRS_CONFIG)
     tokens = [0, 1, s // 2, s - 1]
     assert_close(together[tokens], reference(x, ids, weights, gate_up, down, tokens), 1e-5)  # seen: 1e-7
@@ -123,12 +124,13 @@ def test_tensor_core_experts_match_the_bf16_reference_and_are_batch_invariant(d)
 @pytest.mark.sim
 @pytest.mark.parametrize("config", [TcConfig(K_SPLIT, 2, 1), TcConfig(K_SPLIT, 3, 2), TcConfig(K_SPLIT, 1, 4),
                                     StagedConfig(1, 2, 2, 2, 3), StagedConfig(2, 1, 3, 2, 2),
-                                    StagedConfig(1, 1, 1, 6, 2)], ids=str)
+                                    StagedConfig(1, 1, 1, 6, 2), MOST_PAIRS_CONFIG], ids=str)
 def test_every_launch_shape_gives_the_few_pairs_bits(config):
     """Streaming with two tiles a pass, and staged with two warps along the weights (d = 96: the last down block
     half past d) and three stages, two along the tokens and two stages (three tiles a warp: the first warp's last
     tile partly past the expert's 21 pairs, the second warp's all past them), or one warp of three gate tiles (f =
-    160: the last gate_up block's last two tiles past f): the same bits as FEW_PAIRS_CONFIG for every token. down's
+    160: the last gate_up block's last two tiles past f), or MOST_PAIRS_CONFIG (four tiles a warp, the 21 pairs
+    ending inside the third): the same bits as FEW_PAIRS_CONFIG for every token. down's
     K (f = 160: 5 chunks, a padded share) shows the order of the sums in pair_out's fp32; gate_up's would mostly
     hide in act's bf16 rounding."""
     rng = np.random.default_rng(5)
@@ -263,7 +265,7 @@ def test_tensor_core_experts_reject_what_they_cannot_run():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("s", [1, 8, 32, 256])  # every expert gets s pairs: each launch shape of tc_config_for
+@pytest.mark.parametrize("s", [1, 8, 16, 32, 256])  # every expert gets s pairs: each launch shape of tc_config_for
 def test_k2_dims_tensor_core_experts(s):
     rng = np.random.default_rng(s)
     x, ids, weights, gate_up, down = random_case(rng, s, 7168, 2048, 8, 8 if s > 1 else 4)
