@@ -87,7 +87,7 @@ def _option(name: str, default):
 
 T, STAGED = experts_tc.TcConfig, experts_tc.StagedConfig
 TC_CONFIGS = [experts_tc.FEW_PAIRS_CONFIG, experts_tc.MID_PAIRS_CONFIG,
-              experts_tc.MANY_PAIRS_CONFIG] + ([] if ON_SIMULATOR else [
+              experts_tc.MANY_PAIRS_CONFIG, experts_tc.MOST_PAIRS_CONFIG] + ([] if ON_SIMULATOR else [
     # streaming: (k_split, n_tiles, chunks_per_step, register cap)
     T(4, 1, 1), T(4, 2, 1), T(4, 4, 1), T(8, 1, 2), T(4, 1, 3), T(4, 1, 4), T(4, 2, 2), T(4, 2, 2, 96),
     T(4, 2, 3), T(4, 3, 2), T(4, 4, 2), T(4, 2, 4), T(4, 3, 3), T(4, 4, 3),
