@@ -253,8 +253,8 @@ MID_PAIRS_CONFIG = TcConfig(K_SPLIT, 2 if ON_SIMULATOR else 3, 1 if ON_SIMULATOR
 # 64 tokens x 192 weight rows a block: the tokens a block re-reads through L2 each K chunk cost as much as its
 # weights at 64 rows a block; two chunks a stage halve the barriers and the copies' address work per mma
 MANY_PAIRS_CONFIG = StagedConfig(1, 2, 2, 2, 2) if ON_SIMULATOR else StagedConfig(4, 2, 2, 6, 4, 2)
-# 128 tokens x 128 rows: a trained-like router gives a few experts 100-250 pairs, which then stream their weights
-# in half as many passes
+# 128 tokens x 128 rows: k2-mini's router gives its busiest experts 100-250 pairs at s = 256, which then stream
+# their weights in half as many passes
 MOST_PAIRS_CONFIG = StagedConfig(1, 2, 4, 2, 2) if ON_SIMULATOR else StagedConfig(4, 2, 4, 4, 4, 2)
 FEW_PAIRS = 6    # mean pairs per active expert up to which FEW_PAIRS_CONFIG runs (K2 at s = 256: 5.3)
 MID_PAIRS = 12   # ... MID_PAIRS_CONFIG (k2-mini at s = 64: 16; s = 128: 32; s = 256: 64)

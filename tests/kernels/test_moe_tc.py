@@ -15,8 +15,9 @@ from numba import cuda
 from kdspec.engine.model.safetensors_io import float32_to_bf16_bits
 from kdspec.numba_kernels.moe.experts import moe_experts
 from kdspec.numba_kernels.moe.experts_tc import (FEW_PAIRS_CONFIG, K_SPLIT, MANY_PAIRS_CONFIG, MID_PAIRS_CONFIG,
-                                                 MOST_PAIRS_CONFIG, StagedConfig, TcConfig, WgmmaConfig, fragment_layout, supports,
-                                                 runs_wgmma, tc_config_for, transposed_word)
+                                                 MOST_PAIRS_CONFIG, StagedConfig, TcConfig, WgmmaConfig,
+                                                 fragment_layout, supports, runs_wgmma, tc_config_for,
+                                                 transposed_word)
 
 from kernel_checks import assert_close, poisoned
 
@@ -130,9 +131,9 @@ def test_every_launch_shape_gives_the_few_pairs_bits(config):
     half past d) and three stages, two along the tokens and two stages (three tiles a warp: the first warp's last
     tile partly past the expert's 21 pairs, the second warp's all past them), or one warp of three gate tiles (f =
     160: the last gate_up block's last two tiles past f), or MOST_PAIRS_CONFIG (four tiles a warp, the 21 pairs
-    ending inside the third): the same bits as FEW_PAIRS_CONFIG for every token. down's
-    K (f = 160: 5 chunks, a padded share) shows the order of the sums in pair_out's fp32; gate_up's would mostly
-    hide in act's bf16 rounding."""
+    ending inside the third): the same bits as FEW_PAIRS_CONFIG for every token. down's K (f = 160: 5 chunks, a
+    padded share) shows the order of the sums in pair_out's fp32; gate_up's would mostly hide in act's bf16
+    rounding."""
     rng = np.random.default_rng(5)
     s, d = 21, 96
     x, ids, weights, gate_up, down = random_case(rng, s, d, 160, 5, 2, one_expert_for_all=True)
