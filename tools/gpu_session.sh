@@ -194,7 +194,7 @@ e2e-tests)
     step bench-e2e 300 "${kdtree[@]}" bench e2e
     step unpadded-tests 120 python3 -m pytest -q -m "sim or gpu" tests/engine/test_torch_ops.py tests/kernels/test_clock.py \
         tests/engine/test_device_steps.py
-    step invariance-k2 120 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[True]"
+    step invariance-k2 240 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[True]"
     [ -n "${WITH_FP32:-}" ] && step k2-mini-fp32 240 python3 -m pytest -q -m gpu -k k2 tests/engine/test_device_model.py
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Error" "$log" | head -20
     grep -a -E "^e2e " "$log" | cut -c1-230
