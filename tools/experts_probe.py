@@ -49,34 +49,27 @@ def routing(s: int, skew: float) -> np.ndarray:
 
 def model_routing(budget: int) -> list:
     """The expert ids int32 [nodes, K] of each MoE layer's call in k2-mini's first DDTree oracle verify at
-    ``budget`` (bf16, batch-invariant, no graphs so that each call's ids can be read), the prompt and golden as
-    tools/step_profile.py makes them: the routing the staged experts see in `kdtree bench e2e`."""
-    from kdspec.engine.decode.config import DecodeConfig
-    from kdspec.engine.decode.drafters import parse_drafter
-    from kdspec.engine.decode.loop import generate
+    ``budget`` (bf16, batch-invariant, no graphs so that each call's ids can be read), the decode
+    tools/step_profile.py profiles: the routing the staged experts see in `kdtree bench e2e`."""
     from kdspec.engine.device.model import DeviceModel
     from kdspec.engine.device.tree_ops import DeviceTreeOps
     from kdspec.engine.model.config import PRESETS
     from kdspec.engine.model.weights import SeededWeights
+    from tools.step_profile import PROMPT_TOKENS, decodes  # (run from the repository root)
     cfg = PRESETS["k2-mini"]
     model = DeviceModel(cfg, SeededWeights(cfg, 0), "cuda", weight_dtype="bfloat16", batch_invariant=True,
                         graphs=False)
-    ops = DeviceTreeOps()
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 32).astype(np.int64)
-    block = 8
-    golden = np.concatenate([prompt, generate(model, prompt, DecodeConfig(block + 1), tree_ops=ops).tokens])
+    oracle = decodes(model, DeviceTreeOps(), 8, [budget])[f"DDTree oracle B={budget}"]
     captured, original = [], moe.moe_experts
     moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
 
     def recording(x, expert_ids, *args, **kwargs):
-        if expert_ids.shape[0] not in (1, len(prompt)) and len(captured) < moe_layers:  # the verify's, not prefill's
+        if expert_ids.shape[0] not in (1, PROMPT_TOKENS) and len(captured) < moe_layers:  # the verify's, not prefill's
             captured.append(np.asarray(cuda.as_cuda_array(expert_ids).copy_to_host()))
         return original(x, expert_ids, *args, **kwargs)
     moe.moe_experts = recording
     try:
-        drafter = parse_drafter("oracle").build(golden, block - 1, budget, cfg.vocab_size)
-        generate(model, prompt, DecodeConfig(block, mode="ddtree", block_size=block, budget=budget), drafter,
-                 tree_ops=ops)
+        oracle()
     finally:
         moe.moe_experts = original
     del model

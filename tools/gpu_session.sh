@@ -37,7 +37,8 @@
 #                                          # shape for many pairs, side by side (MANY_CONFIGS: "4,2,2,6,4,2 4,2,4,4,4,2")
 #     bash tools/gpu_session.sh experts-routing  # the staged experts alone under k2-mini's own routing of its B=255
 #                                          # verify (3 MoE layers, summed), each shape beside MANY_PAIRS_CONFIG and
-#                                          # the launcher's choice, with their bits (ROUTING_CONFIGS: "4,3,2,4,4,2")
+#                                          # the launcher's choice, with their bits (ROUTING_CONFIGS: more shapes,
+#                                          # e.g. "4,3,2,4,4,2;wgmma:64,4,2")
 #     AGAINST=old_experts_tc.py bash tools/gpu_session.sh experts-against  # the staged experts alone at s = 64,
 #                                          # 128, 256: MANY_PAIRS_CONFIG and STAGED_CONFIGS against an earlier
 #                                          # experts_tc.py (git show REV:numba_kernels/moe/experts_tc.py > FILE,
@@ -229,7 +230,7 @@ many-pairs)
     ;;
 experts-routing)
     step experts-routing 480 python3 -W ignore tools/experts_probe.py --model-routing "${BUDGET:-255}" \
-        --time "${ROUTING_CONFIGS:-4,3,2,4,4,2;wgmma:64,4,2}"
+        --time "${ROUTING_CONFIGS:-}"
     grep -a -E "^k2-mini B=|^B=[0-9]+ " "$log" | cut -c1-150
     ;;
 experts-against)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+PROMPT_TOKENS = 32
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,9 +45,6 @@ def main() -> None:
         from tools.experts_sass import config_from_text
         experts_tc.MANY_PAIRS_CONFIG = experts_tc.MOST_PAIRS_CONFIG = config_from_text(args.many_pairs)
         print(f"MANY_PAIRS_CONFIG = MOST_PAIRS_CONFIG = {experts_tc.MANY_PAIRS_CONFIG}")
-    from kdspec.engine.decode.config import DecodeConfig
-    from kdspec.engine.decode.drafters import parse_drafter
-    from kdspec.engine.decode.loop import generate
     from kdspec.engine.device.model import DeviceModel
     from kdspec.engine.device.tree_ops import DeviceTreeOps
     from kdspec.engine.model.config import PRESETS
@@ -58,15 +56,7 @@ def main() -> None:
     model = DeviceModel(cfg, SeededWeights(cfg, 0), "sim" if ON_SIMULATOR else "cuda", weight_dtype="bfloat16",
                         batch_invariant=not args.variant)
     ops = DeviceTreeOps()
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 32).astype(np.int64)
-    block = 8
-    ar = generate(model, prompt, DecodeConfig(args.tokens + block), tree_ops=ops)   # warm-up and the golden
-    golden = np.concatenate([prompt, ar.tokens])
-    runs = {"AR": lambda: generate(model, prompt, DecodeConfig(args.tokens), tree_ops=ops)}
-    for budget in (int(b) for b in args.budgets.split(",")):
-        drafter = parse_drafter("oracle").build(golden, block - 1, min(budget, cfg.vocab_size), cfg.vocab_size)
-        config = DecodeConfig(args.tokens, mode="ddtree", block_size=block, budget=budget)
-        runs[f"DDTree oracle B={budget}"] = (lambda c=config, d=drafter: generate(model, prompt, c, d, tree_ops=ops))
+    runs = decodes(model, ops, args.tokens, [int(b) for b in args.budgets.split(",")])
     for decode in runs.values():   # compile every kernel of every run before profiling
         decode()
     if args.timeline:
@@ -94,6 +84,25 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             stats.dump_stats(args.out / (name.replace(" ", "_").replace("=", "") + ".pstats"))
     print("\n".join(summary))
+
+
+def decodes(model, ops, tokens: int, budgets: list) -> dict:
+    """{"AR": decode, "DDTree oracle B=<budget>": decode, ...}: functions that each run one decode of ``tokens``
+    tokens from a fixed prompt of PROMPT_TOKENS tokens, the oracle's golden the engine's own AR run (made here)."""
+    from kdspec.engine.decode.config import DecodeConfig
+    from kdspec.engine.decode.drafters import parse_drafter
+    from kdspec.engine.decode.loop import generate
+    cfg = model.cfg
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, PROMPT_TOKENS).astype(np.int64)
+    block = 8
+    ar = generate(model, prompt, DecodeConfig(tokens + block), tree_ops=ops)   # warm-up and the golden
+    golden = np.concatenate([prompt, ar.tokens])
+    runs = {"AR": lambda: generate(model, prompt, DecodeConfig(tokens), tree_ops=ops)}
+    for budget in budgets:
+        drafter = parse_drafter("oracle").build(golden, block - 1, min(budget, cfg.vocab_size), cfg.vocab_size)
+        config = DecodeConfig(tokens, mode="ddtree", block_size=block, budget=budget)
+        runs[f"DDTree oracle B={budget}"] = (lambda c=config, d=drafter: generate(model, prompt, c, d, tree_ops=ops))
+    return runs
 
 
 def kernel_tables(runs: dict, top: int) -> None:
