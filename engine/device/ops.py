@@ -154,10 +154,10 @@ class TorchOps:
         return x if w.dtype == self.torch.float32 else x.to(w.dtype)
 
     def _product(self, op, a, b, out=None):
-        """a @ b (mm or bmm) with an fp32 result (into ``out`` when given: contiguous, fp32). bf16 operands write
-        fp32 straight from the accumulator (out_dtype): a bf16-rounded output would round differently for
-        different row counts (cuBLAS picks its kernel by shape), and a verify forward must agree with the AR
-        forward at near-ties."""
+        """a @ b (mm or bmm) with an fp32 result (into ``out`` when given: fp32, any strides cuBLAS takes). bf16
+        operands write fp32 straight from the accumulator (out_dtype): a bf16-rounded output would round
+        differently for different row counts (cuBLAS picks its kernel by shape), and a verify forward must agree
+        with the AR forward at near-ties."""
         if out is not None:
             try:
                 return op(a, b, out=out) if a.dtype == self.torch.float32 else op(a, b, out_dtype=self.torch.float32,
@@ -171,46 +171,56 @@ class TorchOps:
         except (TypeError, NotImplementedError, RuntimeError):  # torch < 2.9, or no such kernel here
             return op(a, b).float()
 
-    def _rows_fixed(self, op, a, b):
-        """op(a, b) over a's rows (dimension -2) in calls of exactly fixed_rows rows, a cast to b's dtype. The
-        rows past a's in the last call are left as they are: a product's row depends on its own row alone, so
-        they need no zeros (a fill kernel each). mm writes each call's rows into one output (no concatenation);
-        bmm's calls are concatenated. A row-invariant weight's mm (b = w.T) runs over a's rows as they are, in
-        calls of up to CHECKED_ROWS."""
-        rows, fixed = a.shape[-2], self.fixed_rows
+    def _rows_fixed(self, a, b):
+        """a @ b over a's rows in calls of exactly fixed_rows rows, a cast to b's dtype, each call's rows written
+        into one output. The rows past a's in the last call are left as they are: a product's row depends on its
+        own row alone, so they need no zeros (a fill kernel each). A row-invariant weight's product (b = w.T)
+        runs over a's rows as they are, in calls of up to CHECKED_ROWS."""
+        mm, rows, fixed = self.torch.mm, a.shape[0], self.fixed_rows
         if fixed is None or rows == fixed:
-            return self._product(op, a.to(b.dtype), b)
-        if op is self.torch.mm and self._invariant_shapes.get((b.shape[1], b.shape[0])):
+            return self._product(mm, a.to(b.dtype), b)
+        if self._invariant_shapes.get((b.shape[1], b.shape[0])):
             a = a.to(b.dtype)
             if rows <= CHECKED_ROWS:
-                return self._product(op, a, b)
+                return self._product(mm, a, b)
             out = a.new_empty((rows, b.shape[1]), dtype=self.torch.float32)
             for start in range(0, rows, CHECKED_ROWS):
-                self._product(op, a[start:start + CHECKED_ROWS], b, out=out[start:start + CHECKED_ROWS])
+                self._product(mm, a[start:start + CHECKED_ROWS], b, out=out[start:start + CHECKED_ROWS])
             return out
         calls = -(-rows // fixed)
-        padded = a.new_empty((*a.shape[:-2], calls * fixed, a.shape[-1]), dtype=b.dtype)
-        padded[..., :rows, :].copy_(a)  # the cast and the copy in one kernel
-        if op is self.torch.mm:
-            out = a.new_empty((calls * fixed, b.shape[-1]), dtype=self.torch.float32)
-            for start in range(0, calls * fixed, fixed):
-                self._product(op, padded[start:start + fixed], b, out=out[start:start + fixed])
-        else:
-            parts = [self._product(op, padded[..., start:start + fixed, :], b)
-                     for start in range(0, calls * fixed, fixed)]
-            out = parts[0] if calls == 1 else self.torch.cat(parts, dim=-2)
-        return out[..., :rows, :]
+        padded = a.new_empty((calls * fixed, a.shape[1]), dtype=b.dtype)
+        padded[:rows].copy_(a)  # the cast and the copy in one kernel
+        out = a.new_empty((calls * fixed, b.shape[1]), dtype=self.torch.float32)
+        for start in range(0, calls * fixed, fixed):
+            self._product(mm, padded[start:start + fixed], b, out=out[start:start + fixed])
+        return out[:rows]
 
     def linear(self, x, w):
         x = self._t(x) if self.fixed_rows is not None else self._x(x, w)
-        out = self._rows_fixed(self.torch.mm, x, w.t())
+        out = self._rows_fixed(x, w.t())
         return self._numba(out.contiguous())
 
     def heads_matmul(self, x, w, transpose_w: bool):
-        x = self._t(x) if self.fixed_rows is not None else self._x(x, w)
-        xh = x.transpose(0, 1)  # [h, s, a]
-        out = self._rows_fixed(self.torch.bmm, xh, w.transpose(1, 2) if transpose_w else w)  # [h, s, b]
-        return self._numba(out.transpose(0, 1).contiguous())
+        """Per head: x [s, h, a] @ w[h] -> [s, h, b] fp32, in calls of exactly fixed_rows rows (fixed_rows set).
+        The operands and the result stay token-major: each call's batched product reads its heads' [rows, a]
+        matrices and writes its [rows, b] ones at a row stride of h*a / h*b (cuBLAS takes any leading dimension),
+        so no transposed copy goes in or comes out, and the calls write one output (no concatenation)."""
+        torch = self.torch
+        x = self._t(x)
+        w = w.transpose(1, 2) if transpose_w else w  # [h, a, b]
+        rows = x.shape[0]
+        fixed = self.fixed_rows or max(rows, 1)
+        calls = -(-rows // fixed)
+        if rows == calls * fixed and x.dtype == w.dtype:
+            operand = x
+        else:
+            operand = x.new_empty((calls * fixed, *x.shape[1:]), dtype=w.dtype)
+            operand[:rows].copy_(x)  # the cast and the copy in one kernel; rows past x's left as they are
+        out = x.new_empty((calls * fixed, x.shape[1], w.shape[2]), dtype=torch.float32)
+        for start in range(0, calls * fixed, fixed):
+            self._product(torch.bmm, operand[start:start + fixed].transpose(0, 1), w,
+                          out=out[start:start + fixed].transpose(0, 1))
+        return self._numba(out[:rows])
 
     def to_host(self, x) -> np.ndarray:
         return x.copy_to_host() if hasattr(x, "copy_to_host") else self._t(x).cpu().numpy()
