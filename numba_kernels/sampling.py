@@ -26,7 +26,9 @@ from kdspec.numba_kernels.topk_select import topk_select_rows
 ROW_THREADS = 8 if ON_SIMULATOR else 256
 MAX_TOPK = 16
 SPLIT_MIN_VOCAB = 8192     # above this, argmax / top-k run over vocabulary chunks, then merge per row
-SPLIT_CHUNK = 4096         # vocabulary entries per block of the first launch (16 per thread)
+SPLIT_CHUNK = 4096         # vocabulary entries per block of the first launch (16 per thread), at least
+SPLIT_BLOCKS = 2048        # (row, chunk) blocks past which a launch takes longer chunks (split_chunk_for)
+MAX_SPLIT_CHUNK = 8 * SPLIT_CHUNK
 PREFETCH = 8               # logits a thread loads before ranking them (_keep_best)
 GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 MIX_MUL_1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -275,6 +277,17 @@ def _split_topk(logits, k: int, rounds: int, top_ids, top_values, margins, chunk
 
 
 
+def split_chunk_for(rows: int, vocab: int) -> int:
+    """Vocabulary entries per block of the split top-k's first launch over ``rows`` rows: SPLIT_CHUNK, doubled
+    (up to MAX_SPLIT_CHUNK) while the launch would still have more than SPLIT_BLOCKS blocks. Many short blocks
+    cost more than their reads: each ends in a block-wide reduction per kept entry, and a verify's 256 rows
+    would give 10240 blocks of 16 reads a thread. A launch shape only: the chunk never changes the result."""
+    chunk = SPLIT_CHUNK
+    while chunk < MAX_SPLIT_CHUNK and rows * -(-vocab // chunk) > SPLIT_BLOCKS:
+        chunk *= 2
+    return chunk
+
+
 def _check_logits(logits):
     if len(logits.shape) != 2 or logits.dtype != np.float32 or logits.shape[0] == 0 or logits.shape[1] == 0:
         raise ValueError(f"logits must be float32 [s, V] with s, V > 0, got {logits.dtype} {logits.shape}")
@@ -284,13 +297,13 @@ def _check_logits(logits):
 
 def argmax_rows(logits, split_chunk: int | None = None):
     """Device int32 [s]: greedy token per row of float32 logits [s, V] (numpy or device). V > SPLIT_MIN_VOCAB
-    (or ``split_chunk`` given): over vocabulary chunks of SPLIT_CHUNK (``split_chunk``) entries, then merged."""
+    (or ``split_chunk`` given): over vocabulary chunks (split_chunk_for, or ``split_chunk`` entries), then merged."""
     _check_logits(logits)
     ids = cuda.device_array(logits.shape[0], np.int32)
     if split_chunk or logits.shape[1] > SPLIT_MIN_VOCAB:
         none = cuda.device_array(0, np.float32)
         _split_topk(logits, 1, 1, ids.reshape(logits.shape[0], 1), cuda.device_array((0, 1), np.float32), none,
-                    split_chunk or SPLIT_CHUNK)
+                    split_chunk or split_chunk_for(*logits.shape))
         return ids
     argmax_rows_kernel[row_blocks(logits.shape[0]), ROW_THREADS](to_device(logits), ids)
     return ids
@@ -328,7 +341,8 @@ def topk_rows(logits, k: int, split_chunk: int | None = None, stream=0):
     top_values = cuda.device_array((rows, k), np.float32, stream=stream)
     margins = cuda.device_array(rows, np.float32, stream=stream)
     if split_chunk or logits.shape[1] > SPLIT_MIN_VOCAB:
-        _split_topk(logits, k, max(k, 2), top_ids, top_values, margins, split_chunk or SPLIT_CHUNK, stream)
+        chunk = split_chunk or split_chunk_for(rows, logits.shape[1])
+        _split_topk(logits, k, max(k, 2), top_ids, top_values, margins, chunk, stream)
         return top_ids, top_values, margins
     topk_rows_kernel[row_blocks(rows), ROW_THREADS, stream](to_device(logits), top_ids, top_values, margins)
     return top_ids, top_values, margins

@@ -74,3 +74,16 @@ def test_unsplit_topk_matches_numpy(vocab, tied):
     np.testing.assert_array_equal(ids.copy_to_host(), want_ids)
     np.testing.assert_array_equal(values.copy_to_host(), want_values)
     np.testing.assert_array_equal(margins.copy_to_host(), want_margin)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 256, 4096])
+@pytest.mark.parametrize("vocab", [8193, 163840])
+def test_split_chunk_for_keeps_launches_near_split_blocks(rows, vocab):
+    """The launch shape rule: SPLIT_CHUNK at least, doubled while more than SPLIT_BLOCKS blocks, MAX_SPLIT_CHUNK at
+    most (the chunk is a launch shape; the bits are the same at every chunk, test above)."""
+    chunk = sampling.split_chunk_for(rows, vocab)
+    blocks = rows * -(-vocab // chunk)
+    assert sampling.SPLIT_CHUNK <= chunk <= sampling.MAX_SPLIT_CHUNK
+    assert blocks <= sampling.SPLIT_BLOCKS or chunk == sampling.MAX_SPLIT_CHUNK
+    if chunk > sampling.SPLIT_CHUNK:  # the next shorter chunk had too many blocks
+        assert rows * -(-vocab // (chunk // 2)) > sampling.SPLIT_BLOCKS
