@@ -35,6 +35,10 @@
 #     bash tools/gpu_session.sh steps-profile  # bench e2e, then GPU time per kernel of AR and oracle B=7 / 63 / 255
 #     bash tools/gpu_session.sh many-pairs  # GPU time per kernel of the oracle B=255 step with each staged-experts
 #                                          # shape for many pairs, side by side (MANY_CONFIGS: "4,2,2,6,4,2 4,2,4,4,4,2")
+#     bash tools/gpu_session.sh grouped-experts  # the routed experts through torch's grouped GEMM: their GPU tests,
+#                                          # tools/grouped_mm_probe.py, the k2-mini invariance test with them, and
+#                                          # GPU time per kernel of AR and oracle B=7 / 255 with the staged experts,
+#                                          # then with the grouped ones (step_profile --grouped-experts)
 #     bash tools/gpu_session.sh experts-routing  # the staged experts alone under k2-mini's own routing of its B=255
 #                                          # verify (3 MoE layers, summed), each shape beside MANY_PAIRS_CONFIG and
 #                                          # the launcher's choice, with their bits (ROUTING_CONFIGS: more shapes,
@@ -53,7 +57,7 @@
 #
 # Each group writes $OUT/<group>.log and ends with one line per step: name, exit status, seconds.
 set -u
-groups="record-k2|ar-kernels|attention-tc|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|experts-routing|experts-against|wgmma-experts|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec"  # the one list of groups: usage and the unknown-group message
+groups="record-k2|ar-kernels|attention-tc|profile-k2|train|tests|tests-k2|sample|e2e|device-steps|e2e-tests|host-turns|host-spread|steps-profile|many-pairs|grouped-experts|experts-routing|experts-against|wgmma-experts|moe-graphs|profile-step|profile-kernels|invariance|experts-tc|experts-tc-e2e|ncu-experts|spec"  # the one list of groups: usage and the unknown-group message
 group=${1:?usage: tools/gpu_session.sh $groups}
 case "|$groups|" in
 *"|$group|"*) ;;
@@ -227,6 +231,15 @@ many-pairs)
             --many-pairs "$config"
     done
     grep -a -E "^MANY_PAIRS_CONFIG|^=====|staged_kernels" "$log" | cut -c1-150
+    ;;
+grouped-experts)
+    step grouped-tests 150 python3 -m pytest -q tests/engine/test_grouped_experts.py
+    step grouped-probe 60 python3 -W ignore tools/grouped_mm_probe.py
+    step grouped-invariance-k2 240 python3 -m pytest -q \
+        tests/engine/test_batch_invariance.py::test_k2_mini_with_grouped_experts_tree_verify_equals_ar_steps_bit_for_bit
+    step profile-staged 120 python3 -W ignore tools/step_profile.py --kernels --budgets 7,255 --top 6
+    step profile-grouped 120 python3 -W ignore tools/step_profile.py --kernels --budgets 7,255 --top 6 --grouped-experts
+    grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|^ *[0-9]+ +[0-9]+ +[0-9]+ |^=====" "$log" | cut -c1-150
     ;;
 experts-routing)
     step experts-routing 480 python3 -W ignore tools/experts_probe.py --model-routing "${BUDGET:-255}" \

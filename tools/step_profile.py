@@ -7,6 +7,7 @@ time goes, not the host's).
 
     python3 -W ignore tools/step_profile.py [--model k2-mini] [--budgets 7,63] [--tokens 64] [--top 30] [--out DIR]
                                             [--kernels | --timeline] [--variant] [--many-pairs 5,2,1,4,4]
+                                            [--grouped-experts]
 
 Run on the GPU machine; ``--out`` also writes each run's pstats dump (snakeviz / pstats can read it).
 """
@@ -39,6 +40,8 @@ def main() -> None:
                         help="the experts' launch shape above MID_PAIRS pairs an expert (experts_tc's "
                              "MANY_PAIRS_CONFIG and MOST_PAIRS_CONFIG both): a StagedConfig's numbers or "
                              "wgmma:TOKENS,STAGES,CHUNKS_PER_STAGE (a WgmmaConfig)")
+    parser.add_argument("--grouped-experts", action="store_true",
+                        help="the routed experts through torch's grouped GEMM (engine/device/grouped_experts.py)")
     args = parser.parse_args()
     if args.many_pairs:  # before any forward: tc_config_for reads the module's configs at each call
         from kdspec.numba_kernels.moe import experts_tc
@@ -54,7 +57,7 @@ def main() -> None:
 
     cfg = PRESETS[args.model]
     model = DeviceModel(cfg, SeededWeights(cfg, 0), "sim" if ON_SIMULATOR else "cuda", weight_dtype="bfloat16",
-                        batch_invariant=not args.variant)
+                        batch_invariant=not args.variant, grouped_experts=args.grouped_experts)
     ops = DeviceTreeOps()
     runs = decodes(model, ops, args.tokens, [int(b) for b in args.budgets.split(",")])
     for decode in runs.values():   # compile every kernel of every run before profiling

@@ -511,7 +511,9 @@ def precision(model) -> str:
     if model.weight_dtype != "bfloat16":
         return "fp32"
     parts = ["bf16 dense products"]
-    if getattr(model, "tensor_core_experts", False):
+    if getattr(model, "grouped_experts", False):
+        parts.append("bf16 routed experts with bf16 outputs (torch's grouped GEMM)")
+    elif getattr(model, "tensor_core_experts", False):
         parts.append("bf16 routed experts")
     if getattr(model, "tensor_core_attention", False):
         parts.append("tf32 attention")

@@ -20,7 +20,7 @@ everything else is per row already (norms, RoPE, router). The routed experts of 
 run on the tensor cores (``tensor_core_experts``, on by default there when d and f are multiples of 32:
 moe/experts_tc.py, bf16 activations as the dense products have; their launch shape follows the token count
 without changing a token's bits); otherwise the SIMT grouped experts, whose launch shape does not depend on the
-token count.
+token count. Opt-in on cuda: ``grouped_experts``, torch's grouped GEMM (grouped_experts.py).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import numpy as np
 from numba import cuda
 
 from kdspec.engine.device.cache import DeviceCache
+from kdspec.engine.device.grouped_experts import grouped_experts
 from kdspec.engine.device.logits import DeviceLogits
 from kdspec.engine.device.ops import SimOps, TorchOps
 from kdspec.engine.golden.model import check_hidden_layers, rope_cos_sin, split_kv_b
@@ -58,13 +59,14 @@ class DeviceModel:
     ``graphs``: on cuda, replay captured CUDA graphs of the layer stack (engine/cuda_graphs.py);
     ``batch_invariant``: see the module docstring (None: on with bf16 weights, off with fp32);
     ``tensor_core_experts``: the routed experts on the tensor cores (bf16 weights; d, f multiples of 32; None:
-    on for the batch-invariant bf16 model where d and f allow); ``tensor_core_attention``: the batch-invariant
-    attention on the tensor cores (bf16 weights, batch-invariant; c + r a multiple of 4; None: on where allowed,
-    on cuda)."""
+    on for the batch-invariant bf16 model where d and f allow); ``grouped_experts``: the routed experts through
+    torch's grouped GEMM instead (engine/device/grouped_experts.py: cuda, bf16 weights; opt-in, not yet measured
+    in the model); ``tensor_core_attention``: the batch-invariant attention on the tensor cores (bf16 weights,
+    batch-invariant; c + r a multiple of 4; None: on where allowed, on cuda)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str, weight_dtype: str = "float32",
                  graphs: bool = True, batch_invariant: bool | None = None, tensor_core_experts: bool | None = None,
-                 tensor_core_attention: bool | None = None):
+                 tensor_core_attention: bool | None = None, grouped_experts: bool = False):
         if backend not in ("cuda", "sim"):
             raise ValueError(f"device backend must be 'cuda' or 'sim', got {backend!r}")
         if weight_dtype not in ("float32", "bfloat16"):
@@ -77,9 +79,14 @@ class DeviceModel:
             raise ValueError(f"tensor_core_experts needs bf16 weights and hidden_size, moe_intermediate_size multiples "
                              f"of {moe_experts_tc.CHUNK} (got {weight_dtype}, {cfg.hidden_size}, "
                              f"{cfg.moe_intermediate_size})")
+        if grouped_experts and (backend != "cuda" or weight_dtype != "bfloat16" or tensor_core_experts):
+            raise ValueError(f"grouped_experts needs the cuda backend and bf16 weights, and replaces "
+                             f"tensor_core_experts (got {backend}, {weight_dtype}, tensor_core_experts="
+                             f"{tensor_core_experts})")
+        self.grouped_experts = bool(grouped_experts)
         if tensor_core_experts is None:
-            tensor_core_experts = self.batch_invariant and weight_dtype == "bfloat16" and moe_experts_tc.supports(
-                cfg.hidden_size, cfg.moe_intermediate_size)
+            tensor_core_experts = not grouped_experts and self.batch_invariant and weight_dtype == "bfloat16" and \
+                moe_experts_tc.supports(cfg.hidden_size, cfg.moe_intermediate_size)
         self.tensor_core_experts = bool(tensor_core_experts)
         attention_tc_allowed = self.batch_invariant and weight_dtype == "bfloat16" and invariant_tc.supports(
             cfg.kv_lora_rank, cfg.qk_rope_head_dim)
@@ -386,6 +393,12 @@ class DeviceModel:
         bias = None if cfg.topk_method == "greedy" else layer["router_bias"]  # greedy routing ignores the bias
         expert_ids, expert_weights = moe_router.route_experts(self.ops.linear(x, layer["router"]), bias,
                                                               **moe_router.router_options(cfg), stream=stream)
+        if self.grouped_experts:
+            out = self._dense_ffn(layer, x, stream) if cfg.n_shared_experts else \
+                cuda.device_array(x.shape, np.float32, stream=stream)
+            return grouped_experts(self.ops, x, expert_ids, expert_weights, layer["experts_gate_up"],
+                                   layer["experts_down"], out=out, accumulate=bool(cfg.n_shared_experts),
+                                   stream=stream)
         if cfg.n_shared_experts:
             shared = self._dense_ffn(layer, x, stream)
             return moe_experts.moe_experts(x, expert_ids, expert_weights, layer["experts_gate_up"],

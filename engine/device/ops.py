@@ -138,7 +138,8 @@ class TorchOps:
             self._invariant_shapes[key] = bool(same)  # one read back for all of them
         return self._invariant_shapes[key]
 
-    def _t(self, x):
+    def torch_view(self, x):
+        """A torch view of Numba device array ``x`` (no copy; torch's stream, as every launch here)."""
         return self.torch.as_tensor(_Unsynced(x), device="cuda")
 
     @staticmethod
@@ -150,7 +151,7 @@ class TorchOps:
     def _x(self, x, w):
         # bf16 weights: the GEMM reads bf16 operands on the tensor cores with fp32 accumulation, so the
         # activation is rounded to bf16 too; fp32 weights keep the whole product in fp32.
-        x = self._t(x)
+        x = self.torch_view(x)
         return x if w.dtype == self.torch.float32 else x.to(w.dtype)
 
     def _product(self, op, a, b, out=None):
@@ -196,7 +197,7 @@ class TorchOps:
         return out[:rows]
 
     def linear(self, x, w):
-        x = self._t(x) if self.fixed_rows is not None else self._x(x, w)
+        x = self.torch_view(x) if self.fixed_rows is not None else self._x(x, w)
         out = self._rows_fixed(x, w.t())
         return self._numba(out.contiguous())
 
@@ -206,7 +207,7 @@ class TorchOps:
         matrices and writes its [rows, b] ones at a row stride of h*a / h*b (cuBLAS takes any leading dimension),
         so no transposed copy goes in or comes out, and the calls write one output (no concatenation)."""
         torch = self.torch
-        x = self._t(x)
+        x = self.torch_view(x)
         w = w.transpose(1, 2) if transpose_w else w  # [h, a, b]
         rows = x.shape[0]
         fixed = self.fixed_rows or max(rows, 1)
@@ -223,7 +224,7 @@ class TorchOps:
         return self._numba(out[:rows])
 
     def to_host(self, x) -> np.ndarray:
-        return x.copy_to_host() if hasattr(x, "copy_to_host") else self._t(x).cpu().numpy()
+        return x.copy_to_host() if hasattr(x, "copy_to_host") else self.torch_view(x).cpu().numpy()
 
     def copy(self, x):
-        return self._numba(self._t(x).clone())
+        return self._numba(self.torch_view(x).clone())

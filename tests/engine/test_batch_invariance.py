@@ -100,6 +100,21 @@ def test_tensor_core_experts_refuse_what_they_cannot_run():
         DeviceModel(cfg, random_weights(cfg, 0), "sim", weight_dtype="bfloat16", tensor_core_experts=True)
 
 
+@pytest.mark.sim
+def test_grouped_experts_refuse_what_they_cannot_run():
+    cfg = PRESETS["tiny"]
+    with pytest.raises(ValueError, match="grouped_experts needs"):  # torch's grouped GEMM: cuda only
+        DeviceModel(cfg, random_weights(cfg, 0), "sim", weight_dtype="bfloat16", grouped_experts=True)
+
+
+@pytest.mark.gpu
+def test_k2_mini_with_grouped_experts_tree_verify_equals_ar_steps_bit_for_bit():
+    cfg = PRESETS["k2-mini"]
+    model = DeviceModel(cfg, SeededWeights(cfg, 0), "cuda", weight_dtype="bfloat16", grouped_experts=True)
+    for nodes, seed in ((64, 1), (256, 2)):
+        assert_tree_rows_equal_ar_steps(model, prompt_len=40, nodes=nodes, seed=seed)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tensor_core_experts", [False, True])
 def test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit(tensor_core_experts):
