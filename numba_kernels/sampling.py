@@ -118,8 +118,8 @@ def _keep_best(logits, row, first, stop, rounds, mine, mine_ids):
     """This thread's best ``rounds`` entries of logits[row, first:stop:blockDim.x], sorted (value descending,
     ties -> lower id) into mine / mine_ids (local arrays); returns how many it holds (<= rounds).
 
-    The entries are read PREFETCH at a time before any is ranked: the loads are in flight together rather than
-    one latency each (a chunk of 16 entries per thread was bound by 16 load latencies in a row)."""
+    The entries are read PREFETCH at a time before any is ranked, so that a thread's loads are in flight together
+    rather than one latency each (a verify's chunks are 128 entries a thread: split_chunk_for)."""
     held = 0
     stride = cuda.blockDim.x
     batch = cuda.local.array(PREFETCH, float32)
