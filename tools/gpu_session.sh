@@ -233,12 +233,12 @@ many-pairs)
     grep -a -E "^MANY_PAIRS_CONFIG|^=====|staged_kernels" "$log" | cut -c1-150
     ;;
 grouped-experts)
-    step grouped-tests 150 python3 -m pytest -q tests/engine/test_grouped_experts.py
-    step grouped-probe 60 python3 -W ignore tools/grouped_mm_probe.py
-    step grouped-invariance-k2 240 python3 -m pytest -q \
+    step grouped-tests 120 python3 -m pytest -q tests/engine/test_grouped_experts.py
+    step grouped-probe 40 python3 -W ignore tools/grouped_mm_probe.py
+    step grouped-invariance-k2 200 python3 -m pytest -q \
         tests/engine/test_batch_invariance.py::test_k2_mini_with_grouped_experts_tree_verify_equals_ar_steps_bit_for_bit
-    step profile-staged 120 python3 -W ignore tools/step_profile.py --kernels --budgets 7,255 --top 6
-    step profile-grouped 120 python3 -W ignore tools/step_profile.py --kernels --budgets 7,255 --top 6 --grouped-experts
+    step profile-staged 110 python3 -W ignore tools/step_profile.py --kernels --budgets 7,255 --top 6
+    step profile-grouped 110 python3 -W ignore tools/step_profile.py --kernels --budgets 7,255 --top 6 --grouped-experts
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|^ *[0-9]+ +[0-9]+ +[0-9]+ |^=====" "$log" | cut -c1-150
     ;;
 experts-routing)
