@@ -113,6 +113,28 @@ def log_softmax_rows_kernel(logits, out):
             out[row, v] = (logits[row, v] - best) - log_total
 
 
+@device_function(inline=True)
+def _ranks_before(value, index, other_value, other_index):
+    """(value, index) comes first in top-k order: larger value, ties -> lower id."""
+    return value > other_value or (value == other_value and index < other_index)
+
+
+@device_function(inline=True)
+def _insert_ranked(value, index, held, rounds, mine, mine_ids):
+    """(value, index) into the sorted list mine / mine_ids of ``held`` <= ``rounds`` entries (top-k order), the
+    worst dropped when full; returns the new count."""
+    if held == rounds and not _ranks_before(value, index, mine[rounds - 1], mine_ids[rounds - 1]):
+        return held  # not better than the worst kept
+    slot = held if held < rounds else rounds - 1
+    while slot > 0 and _ranks_before(value, index, mine[slot - 1], mine_ids[slot - 1]):
+        mine[slot] = mine[slot - 1]
+        mine_ids[slot] = mine_ids[slot - 1]
+        slot -= 1
+    mine[slot] = value
+    mine_ids[slot] = index
+    return held + 1 if held < rounds else held
+
+
 @device_function()
 def _keep_best(logits, row, first, stop, rounds, mine, mine_ids):
     """This thread's best ``rounds`` entries of logits[row, first:stop:blockDim.x], sorted (value descending,
@@ -131,18 +153,7 @@ def _keep_best(logits, row, first, stop, rounds, mine, mine_ids):
             v = base + u * stride
             if v >= stop:
                 break
-            value = batch[u]
-            if held == rounds and not value > mine[rounds - 1]:
-                continue  # not better than the worst kept (equal loses: this thread's ids increase)
-            slot = held if held < rounds else rounds - 1
-            while slot > 0 and value > mine[slot - 1]:  # insertion: strictly better moves up
-                mine[slot] = mine[slot - 1]
-                mine_ids[slot] = mine_ids[slot - 1]
-                slot -= 1
-            mine[slot] = value
-            mine_ids[slot] = v
-            if held < rounds:
-                held += 1
+            held = _insert_ranked(batch[u], v, held, rounds, mine, mine_ids)
     return held
 
 
@@ -178,12 +189,6 @@ def topk_rows_kernel(logits, top_ids, top_values, margins):
                     first = best
                 elif r == 1:
                     margins[row] = first - best if best_id != INT32_MAX else float32(math.inf)
-
-@device_function(inline=True)
-def _ranks_before(value, index, other_value, other_index):
-    """(value, index) comes first in top-k order: larger value, ties -> lower id."""
-    return value > other_value or (value == other_value and index < other_index)
-
 
 @kernel_cache.jit
 def chunk_candidates_kernel(logits, chunk, cand_ids, cand_values):
@@ -231,19 +236,8 @@ def merge_candidates_kernel(cand_ids, cand_values, top_ids, top_values, margins)
         for j in range(tid, candidates, cuda.blockDim.x):
             index = cand_ids[row, j // cand_ids.shape[2], j % cand_ids.shape[2]]
             value = cand_values[row, j // cand_ids.shape[2], j % cand_ids.shape[2]]
-            if index == INT32_MAX:
-                continue  # padding
-            if held == rounds and not _ranks_before(value, index, mine[rounds - 1], mine_ids[rounds - 1]):
-                continue
-            slot = held if held < rounds else rounds - 1
-            while slot > 0 and _ranks_before(value, index, mine[slot - 1], mine_ids[slot - 1]):
-                mine[slot] = mine[slot - 1]
-                mine_ids[slot] = mine_ids[slot - 1]
-                slot -= 1
-            mine[slot] = value
-            mine_ids[slot] = index
-            if held < rounds:
-                held += 1
+            if index != INT32_MAX:  # not padding
+                held = _insert_ranked(value, index, held, rounds, mine, mine_ids)
         head = 0
         first = float32(0.0)
         for r in range(rounds):
