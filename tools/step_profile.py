@@ -24,6 +24,7 @@ import numpy as np
 
 PROMPT_TOKENS = 32
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="k2-mini", help="a preset (tiny runs under the CUDA simulator)")
