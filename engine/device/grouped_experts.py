@@ -1,33 +1,30 @@
 """The routed experts through torch's grouped GEMM (torch._grouped_mm: CUTLASS, group offsets on the device, so a
-captured step can hold it), an opt-in alternative to the Numba tensor-core experts (DeviceModel's
-``grouped_experts``; issue #19, BENCHMARKS.md "a grouped-GEMM lead for the experts").
+captured step can hold it): the batch-invariant bf16 model's routed experts on cuda (DeviceModel's
+``grouped_experts``; BENCHMARKS.md "The routed experts through torch's grouped GEMM").
 
 One MoE layer's routed experts for s tokens, k experts each, P = s*k (token, slot) pairs:
 
-    plan_pairs (Numba)    the pairs sorted by expert, each expert's end offset            [P], [e+1]
-    gather                x rounded to bf16, row t of each pair                            [P, d]  bf16
-    grouped GEMM          gate_up = rows @ w_gate_up[e].T per expert's rows               [P, 2f] bf16
-    SwiGLU                silu(gate) * up in fp32, rounded to bf16                        [P, f]  bf16
-    grouped GEMM          down = act @ w_down[e].T                                        [P, d]  bf16
-    scatter               pair_out[pair] = down, as fp32                                  [P, d]  fp32
-    combine (Numba)       y[t] (+)= sum over slots in order of weight * pair_out[t*k + slot]  [s, d] fp32
+    plan_pairs (Numba)        the pairs sorted by expert, each expert's end offset            [P], [e+1]
+    gather_pair_rows (Numba)  x rounded to bf16, the token's row for each pair in that order   [P, d]  bf16
+    grouped GEMM              gate_up = rows @ w_gate_up[e].T per expert's rows               [P, 2f] bf16
+    swiglu_rows (Numba)       silu(gate) * up in fp32, rounded to bf16                        [P, f]  bf16
+    grouped GEMM              down = act @ w_down[e].T                                        [P, d]  bf16
+    combine_pair_rows (Numba) y[t] (+)= sum over slots in order of weight * down[row of t*k + slot]  [s, d] fp32
 
 Numerics: bf16 operands with fp32 accumulation as the tensor-core experts, but the grouped GEMM writes its operands'
 dtype only, so gate, up and down are rounded to bf16 where experts_tc keeps fp32 (its results differ from
 experts_tc's; each is its own path). Batch invariance: every step is per row, or per (row, expert) product whose
 reduction order the GEMM's tile fixes whatever the group's row count (tools/grouped_mm_probe.py checks one
 token alone against the same token among 256). Weights: bf16 [e, 2f, d] and [e, d, f] in their natural layout (not
-experts_tc.fragment_layout). Expert ids must be in range (the router's always are): the plan leaves others out,
-and the gather and scatter read every pair.
+experts_tc.fragment_layout). A pair with an out-of-range expert id has no row and adds nothing (the router's ids
+are always in range).
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
 from kdspec.numba_kernels.moe import experts as moe_experts
-from kdspec.numba_kernels.runtime import row_blocks
+from kdspec.numba_kernels.moe import pair_rows as pair_rows_kernels
 
 
 def grouped_experts(ops, x, expert_ids, expert_weights, w_gate_up, w_down, *, out, accumulate: bool, stream=0):
@@ -39,22 +36,31 @@ def grouped_experts(ops, x, expert_ids, expert_weights, w_gate_up, w_down, *, ou
     s, d = x.shape
     k = expert_ids.shape[1]
     gate_up, down = _bf16(ops, w_gate_up), _bf16(ops, w_down)
-    n_experts, f = gate_up.shape[0], gate_up.shape[1] // 2
+    n_experts = gate_up.shape[0]
     if s == 0:
         return out
     plan = moe_experts.plan_pairs(expert_ids, n_experts, stream=stream)
-    pairs = ops.torch_view(plan.sorted_pairs)             # int32 [P]: pair p = t*k + slot, grouped by expert
     ends = ops.torch_view(plan.expert_offsets)[1:]        # int32 [e]: each expert's last row + 1
-    rows = ops.torch_view(x).to(torch.bfloat16).index_select(0, torch.div(pairs, k, rounding_mode="floor"))
-    gate_up_out = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)              # [P, 2f]
-    act = (torch.nn.functional.silu(gate_up_out[:, :f].float()) * gate_up_out[:, f:].float()).to(torch.bfloat16)
-    down_out = torch._grouped_mm(act, down.transpose(1, 2), offs=ends)                     # [P, d]
-    pair_out = torch.empty((s * k, d), dtype=torch.float32, device="cuda")
-    pair_out.index_copy_(0, pairs.long(), down_out.float())
-    moe_experts.combine_kernel(k)[(math.ceil(d / moe_experts.COMBINE_THREADS), row_blocks(s)),
-                                  moe_experts.COMBINE_THREADS, stream](
-        ops.device_view(pair_out), expert_ids, expert_weights, n_experts, accumulate, out)
+    rows, pair_rows = pair_rows_kernels.gather_pair_rows(x, k, plan, stream=stream)
+    gate_up_out = torch._grouped_mm(_as_bf16(ops, rows), gate_up.transpose(1, 2), offs=ends)   # [P, 2f]
+    act = pair_rows_kernels.swiglu_rows(ops.device_view(gate_up_out.view(torch.int32)), plan, stream=stream)
+    down_out = torch._grouped_mm(_as_bf16(ops, act), down.transpose(1, 2), offs=ends)          # [P, d]
+    pair_rows_kernels.combine_pair_rows(ops.device_view(down_out.view(torch.int32)), pair_rows, expert_ids,
+                                        expert_weights, n_experts, out=out, accumulate=accumulate, stream=stream)
     return out
+
+
+def grouped_experts_supported(hidden_size: int, inner: int) -> bool:
+    """Whether torch's grouped GEMM runs these experts here: torch with ``_grouped_mm``, a Hopper GPU or newer (the
+    GPUs it is measured and tested on) and rows of whole 16-byte pieces (d and f multiples of 8)."""
+    import torch
+    return (hasattr(torch, "_grouped_mm") and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (9, 0) and hidden_size % 8 == 0 and inner % 8 == 0)
+
+
+def _as_bf16(ops, words):
+    """A bf16 torch view [rows, 2 * words] of a uint32 Numba array [rows, words] of bf16 pairs."""
+    return ops.torch_view(words.view(np.int32)).view(ops.torch.bfloat16)
 
 
 def _bf16(ops, weights):
