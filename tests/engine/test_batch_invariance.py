@@ -108,18 +108,14 @@ def test_grouped_experts_refuse_what_they_cannot_run():
 
 
 @pytest.mark.gpu
-def test_k2_mini_with_grouped_experts_tree_verify_equals_ar_steps_bit_for_bit():
+@pytest.mark.parametrize("experts", ["grouped", "tensor-cores", "simt"])
+def test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit(experts):
+    """k2-mini bf16 with each kind of routed experts: torch's grouped GEMM (the default on a GPU), the Numba
+    tensor-core kernels and the SIMT kernels."""
     cfg = PRESETS["k2-mini"]
-    model = DeviceModel(cfg, SeededWeights(cfg, 0), "cuda", weight_dtype="bfloat16", grouped_experts=True)
-    for nodes, seed in ((64, 1), (256, 2)):
-        assert_tree_rows_equal_ar_steps(model, prompt_len=40, nodes=nodes, seed=seed)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tensor_core_experts", [False, True])
-def test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit(tensor_core_experts):
-    cfg = PRESETS["k2-mini"]
-    model = DeviceModel(cfg, SeededWeights(cfg, 0), "cuda", weight_dtype="bfloat16",
-                        tensor_core_experts=tensor_core_experts)
+    options = {"grouped": {}, "tensor-cores": dict(tensor_core_experts=True),
+               "simt": dict(tensor_core_experts=False, grouped_experts=False)}[experts]
+    model = DeviceModel(cfg, SeededWeights(cfg, 0), "cuda", weight_dtype="bfloat16", **options)
+    assert (model.grouped_experts, model.tensor_core_experts) == (experts == "grouped", experts == "tensor-cores")
     for nodes, seed in ((64, 1), (256, 2), (300, 3)):
         assert_tree_rows_equal_ar_steps(model, prompt_len=40, nodes=nodes, seed=seed)
