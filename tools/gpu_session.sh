@@ -38,8 +38,8 @@
 #     bash tools/gpu_session.sh grouped-experts  # the routed experts through torch's grouped GEMM: their GPU tests,
 #                                          # tools/grouped_mm_probe.py, the k2-mini invariance test with them, and
 #                                          # GPU time per kernel of AR and oracle B=7 / 255 with the Numba tensor-
-#                                          # core experts (the default), then with the grouped ones (step_profile
-#                                          # --grouped-experts; TOP: kernels listed, default 6)
+#                                          # core experts (step_profile --tensor-core-experts), then with the grouped
+#                                          # ones (the default; TOP: kernels listed, default 6)
 #     bash tools/gpu_session.sh experts-routing  # the staged experts alone under k2-mini's own routing of its B=255
 #                                          # verify (3 MoE layers, summed), each shape beside MANY_PAIRS_CONFIG and
 #                                          # the launcher's choice, with their bits (ROUTING_CONFIGS: more shapes,
@@ -148,7 +148,7 @@ experts-tc)
     step tc-tests 150 python3 -m pytest -q -m gpu tests/kernels/test_moe_tc.py
     step bench-e2e 200 "${kdtree[@]}" bench e2e
     step tc-sweep-32 240 python3 -W ignore -m tools.sweeps.moe --tensor-cores --experts 32 --tokens 1,8,64,256
-    step invariance-k2 90 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[tensor-cores]"
+    step invariance-k2 90 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[grouped]"
     step tc-sweep-384 120 python3 -W ignore -m tools.sweeps.moe --tensor-cores --tokens 1,256 --only t0,t1
     grep -a -E "^ +[0-9]+ +(auto|t[0-9])|^best|^[0-9]+ (passed|failed)|^(FAILED|ERROR)|CHECKS|copy bandwidth|breakdown" "$log" \
         | cut -c1-160
@@ -158,7 +158,7 @@ experts-tc-e2e)
     step tc-tests 150 python3 -m pytest -q -m gpu tests/kernels/test_moe_tc.py tests/kernels/test_attention_invariant.py \
         tests/engine/test_device_tree_ops.py
     step bench-e2e 200 "${kdtree[@]}" bench e2e
-    step invariance-k2 90 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[tensor-cores]"
+    step invariance-k2 90 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[grouped]"
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)" "$log"
     grep -a -E "^e2e " "$log" | cut -c1-230
     ;;
@@ -177,7 +177,7 @@ lts__t_bytes.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,lts__t_sector
 device-steps)
     step device-steps-tests 200 python3 -m pytest -q -m "sim or gpu" tests/engine/test_device_steps.py \
         tests/kernels/test_attention_invariant.py tests/engine/test_device_tree_ops.py tests/kernels/test_sampling_split.py
-    step invariance-k2 90 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[tensor-cores]"
+    step invariance-k2 90 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[grouped]"
     step bench-e2e 290 "${kdtree[@]}" bench e2e
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Error" "$log" | head -20
     grep -a -E "^e2e " "$log" | cut -c1-230
@@ -200,7 +200,7 @@ e2e-tests)
     step bench-e2e 300 "${kdtree[@]}" bench e2e
     step unpadded-tests 120 python3 -m pytest -q -m "sim or gpu" tests/engine/test_torch_ops.py tests/kernels/test_clock.py \
         tests/engine/test_device_steps.py
-    step invariance-k2 240 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[tensor-cores]"
+    step invariance-k2 240 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[grouped]"
     [ -n "${WITH_FP32:-}" ] && step k2-mini-fp32 240 python3 -m pytest -q -m gpu -k k2 tests/engine/test_device_model.py
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Error" "$log" | head -20
     grep -a -E "^e2e " "$log" | cut -c1-230
@@ -214,7 +214,7 @@ ar-kernels)
     ;;
 attention-tc)
     step tc-attention-tests 150 python3 -m pytest -q -m gpu tests/kernels/test_attention_invariant.py -k tensor_core
-    step invariance-k2 120 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[tensor-cores]"
+    step invariance-k2 120 python3 -m pytest -q "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[grouped]"
     step attention-shapes 240 python3 -W ignore -m tools.sweeps.attention_invariant
     grep -a -E "^[a-z0-9 ]+ +regs|^best|^tensor cores|CHECKS|all checks|^[0-9]+ (passed|failed)|^FAILED" "$log" \
         | cut -c1-170
@@ -238,9 +238,9 @@ grouped-experts)
     step grouped-probe 40 python3 -W ignore tools/grouped_mm_probe.py
     step grouped-invariance-k2 200 python3 -m pytest -q \
         "tests/engine/test_batch_invariance.py::test_k2_mini_tree_verify_equals_ar_steps_bit_for_bit[grouped]"
-    step profile-tensor-cores 110 python3 -W ignore tools/step_profile.py --kernels --budgets 7,255 --top ${TOP:-6}
-    step profile-grouped 110 python3 -W ignore tools/step_profile.py --kernels --budgets 7,255 --top ${TOP:-6} \
-        --grouped-experts
+    step profile-tensor-cores 110 python3 -W ignore tools/step_profile.py --kernels --budgets 7,255 --top ${TOP:-6} \
+        --tensor-core-experts
+    step profile-grouped 110 python3 -W ignore tools/step_profile.py --kernels --budgets 7,255 --top ${TOP:-6}
     grep -a -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|^ *[0-9]+ +[0-9]+ +[0-9]+ |^=====" "$log" | cut -c1-150
     ;;
 experts-routing)

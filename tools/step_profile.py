@@ -7,7 +7,7 @@ time goes, not the host's).
 
     python3 -W ignore tools/step_profile.py [--model k2-mini] [--budgets 7,63] [--tokens 64] [--top 30] [--out DIR]
                                             [--kernels | --timeline] [--variant] [--many-pairs 5,2,1,4,4]
-                                            [--grouped-experts]
+                                            [--tensor-core-experts]
 
 Run on the GPU machine; ``--out`` also writes each run's pstats dump (snakeviz / pstats can read it).
 """
@@ -40,9 +40,10 @@ def main() -> None:
     parser.add_argument("--many-pairs", default=None, metavar="WARPS_T,WARPS_W,TOKEN_TILES,WEIGHT_TILES,STAGES",
                         help="the experts' launch shape above MID_PAIRS pairs an expert (experts_tc's "
                              "MANY_PAIRS_CONFIG and MOST_PAIRS_CONFIG both): a StagedConfig's numbers or "
-                             "wgmma:TOKENS,STAGES,CHUNKS_PER_STAGE (a WgmmaConfig)")
-    parser.add_argument("--grouped-experts", action="store_true",
-                        help="the routed experts through torch's grouped GEMM (engine/device/grouped_experts.py)")
+                             "wgmma:TOKENS,STAGES,CHUNKS_PER_STAGE (a WgmmaConfig); implies --tensor-core-experts")
+    parser.add_argument("--tensor-core-experts", action="store_true",
+                        help="the routed experts on the Numba tensor-core kernels (moe/experts_tc.py) instead of "
+                             "torch's grouped GEMM (the default on cuda)")
     args = parser.parse_args()
     if args.many_pairs:  # before any forward: tc_config_for reads the module's configs at each call
         from kdspec.numba_kernels.moe import experts_tc
@@ -57,8 +58,9 @@ def main() -> None:
     from kdspec.traces.schema import STAGES
 
     cfg = PRESETS[args.model]
+    tensor_core_experts = args.tensor_core_experts or bool(args.many_pairs) or None  # None: the model's default
     model = DeviceModel(cfg, SeededWeights(cfg, 0), "sim" if ON_SIMULATOR else "cuda", weight_dtype="bfloat16",
-                        batch_invariant=not args.variant, grouped_experts=args.grouped_experts)
+                        batch_invariant=not args.variant, tensor_core_experts=tensor_core_experts)
     ops = DeviceTreeOps()
     runs = decodes(model, ops, args.tokens, [int(b) for b in args.budgets.split(",")])
     for decode in runs.values():   # compile every kernel of every run before profiling

@@ -1,6 +1,6 @@
 """The routed experts through torch's grouped GEMM (torch._grouped_mm: CUTLASS, group offsets on the device, so a
-captured step can hold it), an opt-in alternative to the Numba tensor-core experts (DeviceModel's
-``grouped_experts``; issue #19, BENCHMARKS.md "a grouped-GEMM lead for the experts").
+captured step can hold it): the batch-invariant bf16 model's routed experts on cuda, Hopper or newer (DeviceModel's
+``grouped_experts``; BENCHMARKS.md "The grouped-GEMM experts in the model").
 
 One MoE layer's routed experts for s tokens, k experts each, P = s*k (token, slot) pairs:
 

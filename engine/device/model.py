@@ -17,11 +17,11 @@ bit for bit and DDTree's output is the engine's own AR output in bf16 too. The d
 row count (ops.TorchOps' fixed_rows), attention through attention/invariant.py (keys in compacted order; with bf16
 weights its tensor-core form attention/invariant_tc.py, ``tensor_core_attention``: tf32 operands, fp32 sums);
 everything else is per row already (norms, RoPE, router). The routed experts of the batch-invariant bf16 model
-run on the tensor cores (``tensor_core_experts``, on by default there when d and f are multiples of 32:
-moe/experts_tc.py, bf16 activations as the dense products have; their launch shape follows the token count
-without changing a token's bits); otherwise the SIMT grouped experts, whose launch shape does not depend on the
-token count. Opt-in on cuda (Hopper or newer): ``grouped_experts``, torch's grouped GEMM (grouped_experts.py:
-gate, up and down rounded to bf16 as that GEMM writes them).
+run through torch's grouped GEMM on cuda (``grouped_experts``, grouped_experts.py: gate, up and down rounded to
+bf16 as that GEMM writes them); where it cannot run (the simulator, GPUs before Hopper) on the Numba tensor
+cores (``tensor_core_experts``, when d and f are multiples of 32: moe/experts_tc.py, bf16 activations as the
+dense products have; their launch shape follows the token count without changing a token's bits); otherwise the
+SIMT grouped experts, whose launch shape does not depend on the token count.
 """
 from __future__ import annotations
 
@@ -59,16 +59,16 @@ class DeviceModel:
     """The model protocol on the Numba kernels. ``backend`` "cuda" (torch + a GPU) or "sim" (simulator);
     ``graphs``: on cuda, replay captured CUDA graphs of the layer stack (engine/cuda_graphs.py);
     ``batch_invariant``: see the module docstring (None: on with bf16 weights, off with fp32);
-    ``tensor_core_experts``: the routed experts on the Numba tensor-core kernels (bf16 weights; d, f multiples of
-    32; None: on for the batch-invariant bf16 model where d and f allow); ``grouped_experts``: the routed experts
-    through torch's grouped GEMM instead (engine/device/grouped_experts.py: cuda on a Hopper GPU or newer, bf16
-    weights, d and f multiples of 8; opt-in);
+    ``grouped_experts``: the routed experts through torch's grouped GEMM (engine/device/grouped_experts.py: cuda on
+    a Hopper GPU or newer, bf16 weights, d and f multiples of 8; None: on for the batch-invariant bf16 model where
+    allowed); ``tensor_core_experts``: the routed experts on the Numba tensor-core kernels instead (bf16 weights; d,
+    f multiples of 32; None: on for the batch-invariant bf16 model where the grouped GEMM is not);
     ``tensor_core_attention``: the batch-invariant attention on the tensor cores (bf16 weights, batch-invariant;
     c + r a multiple of 4; None: on where allowed, on cuda)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str, weight_dtype: str = "float32",
                  graphs: bool = True, batch_invariant: bool | None = None, tensor_core_experts: bool | None = None,
-                 tensor_core_attention: bool | None = None, grouped_experts: bool = False):
+                 tensor_core_attention: bool | None = None, grouped_experts: bool | None = None):
         if backend not in ("cuda", "sim"):
             raise ValueError(f"device backend must be 'cuda' or 'sim', got {backend!r}")
         if weight_dtype not in ("float32", "bfloat16"):
@@ -88,7 +88,8 @@ class DeviceModel:
                              f"hidden_size, moe_intermediate_size multiples of 8, and replaces tensor_core_experts "
                              f"(got {backend}, {weight_dtype}, {cfg.hidden_size}, {cfg.moe_intermediate_size}, "
                              f"tensor_core_experts={tensor_core_experts})")
-        self.grouped_experts = bool(grouped_experts)
+        self.grouped_experts = grouped_allowed and self.batch_invariant if grouped_experts is None \
+            else bool(grouped_experts)
         if tensor_core_experts is None:
             tensor_core_experts = not self.grouped_experts and self.batch_invariant and weight_dtype == "bfloat16" \
                 and moe_experts_tc.supports(cfg.hidden_size, cfg.moe_intermediate_size)

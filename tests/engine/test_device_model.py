@@ -228,7 +228,7 @@ def test_weights_drawn_on_the_gpu_build_the_model_the_host_weights_build(preset,
     """A seeded preset on cuda is drawn on the GPU (SeededWeights): every device weight, and the logits of a
     prefill and a step, equal those of the model built from the host's draw, bit for bit. tiny-f32 (tiny with f
     = 32) runs its routed experts on the tensor cores in bf16, their weights laid out by torch on the GPU for the
-    one and by numpy on the host for the other."""
+    one and by numpy on the host for the other (asked for by name: bf16's default is torch's grouped GEMM)."""
     import dataclasses
 
     from kdspec.engine.device.model import DeviceModel
@@ -237,12 +237,13 @@ def test_weights_drawn_on_the_gpu_build_the_model_the_host_weights_build(preset,
 
     cfg = (dataclasses.replace(PRESETS["tiny"], moe_intermediate_size=32) if preset == "tiny-f32"
            else PRESETS[preset])
+    tensor_cores = preset == "tiny-f32" and weight_dtype == "bfloat16"  # (bf16 otherwise: the grouped GEMM's)
     seeded = SeededWeights(cfg, 3)
-    drawn = DeviceModel(cfg, seeded, "cuda", weight_dtype, graphs=False)
-    copied = DeviceModel(cfg, random_weights(cfg, 3), "cuda", weight_dtype, graphs=False)
+    drawn = DeviceModel(cfg, seeded, "cuda", weight_dtype, graphs=False, tensor_core_experts=tensor_cores or None)
+    copied = DeviceModel(cfg, random_weights(cfg, 3), "cuda", weight_dtype, graphs=False,
+                         tensor_core_experts=tensor_cores or None)
     assert drawn._drawn and not copied._drawn and not seeded._host
-    assert drawn.tensor_core_experts == copied.tensor_core_experts == (preset == "tiny-f32"
-                                                                       and weight_dtype == "bfloat16")
+    assert drawn.tensor_core_experts == copied.tensor_core_experts == tensor_cores
     for attribute in ("embed", "final_norm", "lm_head"):
         assert np.array_equal(_on_host(getattr(drawn, attribute)), _on_host(getattr(copied, attribute))), attribute
     for i, (ours, theirs) in enumerate(zip(drawn.layers, copied.layers)):
