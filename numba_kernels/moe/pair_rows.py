@@ -107,7 +107,7 @@ def _words(array, name, rows, words):
     return array
 
 
-def _placed(plan: ExpertPlan, n_pairs: int):
+def _check_plan(plan: ExpertPlan, n_pairs: int):
     if plan.sorted_pairs.shape[0] != n_pairs:
         raise ValueError(f"plan: sized for {plan.sorted_pairs.shape[0]} pairs, need {n_pairs}")
 
@@ -121,7 +121,7 @@ def gather_pair_rows(x, k: int, plan: ExpertPlan, *, rows=None, pair_rows=None, 
     if d % 2:
         raise ValueError(f"x: width {d} is odd (bf16 rows are column pairs)")
     n_pairs = s * k
-    _placed(plan, n_pairs)
+    _check_plan(plan, n_pairs)
     rows = cuda.device_array((n_pairs, d // 2), np.uint32, stream=stream) if rows is None \
         else _words(rows, "rows", n_pairs, d // 2)
     if pair_rows is None:
@@ -143,7 +143,7 @@ def swiglu_rows(gate_up, plan: ExpertPlan, *, out=None, stream=0):
         raise ValueError(f"gate_up: shape {tuple(gate_up.shape)}, expected bf16 pairs [P, F] with F even")
     n_pairs, half = gate_up.shape[0], gate_up.shape[1] // 2
     gate_up = _words(gate_up, "gate_up", n_pairs, 2 * half)
-    _placed(plan, n_pairs)
+    _check_plan(plan, n_pairs)
     act = cuda.device_array((n_pairs, half), np.uint32, stream=stream) if out is None \
         else _words(out, "out", n_pairs, half)
     if n_pairs and half:
