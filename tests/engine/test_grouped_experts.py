@@ -79,3 +79,22 @@ def test_a_token_gets_the_same_bits_alone_as_among_many():
     for t in (0, 1, 17, 63, 200, 255):
         alone = _run(ops, x[t:t + 1], ids[t:t + 1], weights[t:t + 1], gate_up, down, shared[t:t + 1])
         assert np.array_equal(alone.view(np.int32), many[t:t + 1].view(np.int32)), t
+
+
+def test_a_token_gets_the_same_bits_alone_as_among_more_pairs_than_one_tile_takes():
+    """More than SMALL_TILE_ROWS pairs an expert on average (160 here): torch would take a larger tile for the whole
+    call; the path goes through in chunks that keep the one-token tile."""
+    pytest.importorskip("torch")
+    from kdspec.engine.device.grouped_experts import SMALL_TILE_ROWS
+    from kdspec.engine.device.ops import TorchOps
+    ops = TorchOps("bfloat16", fixed_rows=128)
+    experts, top_k, tokens = 4, 4, 160
+    assert tokens * top_k / experts > SMALL_TILE_ROWS
+    x, ids, weights, gate_up, down = _case(tokens, experts, top_k, 1024, 512, 5)
+    shared = np.zeros(x.shape, np.float32)
+    many = _run(ops, x, ids, weights, gate_up, down, shared)
+    want = _reference(x, ids, weights, gate_up, down, shared)
+    np.testing.assert_allclose(many, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    for t in (0, 63, 128, 159):
+        alone = _run(ops, x[t:t + 1], ids[t:t + 1], weights[t:t + 1], gate_up, down, shared[t:t + 1])
+        assert np.array_equal(alone.view(np.int32), many[t:t + 1].view(np.int32)), t
